@@ -1,0 +1,1 @@
+"""mambaserve: a serving engine for hybrid Mamba2 language models."""
