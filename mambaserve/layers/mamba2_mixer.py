@@ -1,0 +1,71 @@
+"""Mamba2 mixer: in_proj -> [z | xBC | dt] -> causal conv1d -> SSD scan / state update ->
+gated RMSNorm -> out_proj. Prefill rows (first) and decode rows (last) of one flat batch take
+different ops; both read and write the layer's slice of the state pool in place."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mambaserve.config import ModelConfig
+from mambaserve.metadata import ForwardMetadata
+from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
+from mambaserve.ops.selective_state_update import selective_state_update
+from mambaserve.ops.ssd import ssd_chunk_scan_varlen
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.mamba_num_heads, cfg.mamba_head_dim
+        self.n_groups, self.state_size = cfg.n_groups, cfg.ssm_state_size
+        self.d_inner = cfg.mamba_intermediate_size
+        self.conv_dim = cfg.conv_dim
+        self.norm_eps = cfg.norm_eps
+        self.prefill_dt_limit, self.decode_dt_limit = cfg.prefill_dt_limit, cfg.decode_dt_limit
+        self.in_proj = nn.Linear(cfg.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
+                                 bias=cfg.use_bias)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.empty(self.conv_dim)) if cfg.use_conv_bias else None
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.norm_weight = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.use_bias)
+
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; conv_state: [slots + 1, K-1, conv_dim]; ssm_state: [slots + 1, H, P, N]."""
+        T = x.shape[0]
+        Tp = meta.num_prefill_tokens
+        G, N, H, P = self.n_groups, self.state_size, self.num_heads, self.head_dim
+        zxbcdt = self.in_proj(x)
+        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(T, H, P, dtype=x.dtype, device=x.device)
+
+        if meta.num_prefills:
+            xBC_p = causal_conv1d_varlen(
+                xBC[:Tp], self.conv_weight, self.conv_bias, conv_state, meta.prefill_state_slots,
+                meta.has_initial_state, meta.conv_window_idx, meta.conv_state_idx)
+            xs, B, C = xBC_p.split([self.d_inner, G * N, G * N], dim=-1)
+            y_p, _ = ssd_chunk_scan_varlen(
+                xs.reshape(Tp, H, P), dt[:Tp], A, B.reshape(Tp, G, N), C.reshape(Tp, G, N),
+                self.D, self.dt_bias, self.prefill_dt_limit, ssm_state, meta.prefill_state_slots,
+                meta.has_initial_state, meta.chunk_token_idx, meta.token_chunk_pos,
+                meta.row_chunks, meta.row_num_chunks)
+            y[:Tp] = y_p
+        if meta.num_decodes:
+            Bd = T - Tp
+            xBC_d = causal_conv1d_update(xBC[Tp:], self.conv_weight, self.conv_bias, conv_state,
+                                         meta.decode_state_slots)
+            xs, B, C = xBC_d.split([self.d_inner, G * N, G * N], dim=-1)
+            y[Tp:] = selective_state_update(
+                ssm_state, xs.reshape(Bd, H, P), dt[Tp:], A, B.reshape(Bd, G, N),
+                C.reshape(Bd, G, N), self.D, self.dt_bias, self.decode_dt_limit,
+                meta.decode_state_slots)
+
+        y = gated_rmsnorm(y.view(T, self.d_inner), z, self.norm_weight,
+                          self.d_inner // self.n_groups, self.norm_eps)
+        return self.out_proj(y)

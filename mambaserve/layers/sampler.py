@@ -1,0 +1,199 @@
+"""Sync-free, batch-invariant token sampler.
+
+Runs on the device after the model forward, once per engine step, for B rows (one per running
+request). No host syncs, no data-dependent shapes, no ``torch.multinomial``: sampling is Gumbel-max
+(``argmax(logits / T + g)``) where the Gumbel noise ``g`` is a pure function of
+``(seed, step, token_id)`` computed by a counter-based 32-bit integer hash with int64 torch ops.
+A row's sample therefore does not depend on the other rows or on its position in the batch.
+
+Semantics follow vLLM: rows with ``temperature < 1e-5`` are greedy (argmax of the raw logits,
+lowest index on ties, filters ignored). Otherwise: temperature scaling, then top-k, then top-p
+(over the softmax of the scaled, top-k-filtered logits: keep the smallest descending prefix whose
+cumulative probability is >= top_p), then min-p (drop tokens with probability < min_p * max
+probability). Each filter is a per-row logit threshold, so ties at a boundary are all KEPT
+(top-k may keep more than k tokens if several equal the k-th largest value). Reported logprobs are
+those of the RAW logits (model distribution, before temperature and filters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+_M32 = 0xFFFFFFFF
+# lowbias32 multipliers (Wellons); the second is stored minus 2**32 so that x * C for x < 2**32
+# stays within int64 range (no signed overflow): the low 32 bits of the product are unchanged.
+_C1 = 0x7FEB352D
+_C2 = 0x846CA68B - (1 << 32)
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step, device tensors built by the engine from host lists."""
+
+    temperature: torch.Tensor  # [B] float32; < 1e-5 (e.g. 0.0) means greedy for that row
+    top_k: torch.Tensor  # [B] int32; <= 0 (or >= V) means disabled
+    top_p: torch.Tensor  # [B] float32; >= 1.0 means disabled
+    min_p: torch.Tensor  # [B] float32; <= 0.0 means disabled
+    seed: torch.Tensor  # [B] int64; the request's seed
+    step: torch.Tensor  # [B] int64; index of the token being sampled within the request
+    num_logprobs: int  # host int: how many top alternatives to return (0 = none)
+    all_greedy: bool  # host flag: every row is greedy (skip the random path)
+    need_filters: bool  # host flag: some row uses top_k / top_p / min_p
+
+    @staticmethod
+    def from_lists(
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        min_p: list[float],
+        seed: list[int],
+        step: list[int],
+        num_logprobs: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Pack host lists into one int32 buffer (pinned on CUDA) and copy it once to ``device``.
+
+        Seeds may be any Python int; they are reduced mod 2**64 and reinterpreted as int64.
+        """
+        b = len(temperature)
+        assert all(len(x) == b for x in (top_k, top_p, min_p, seed, step))
+        device = torch.device(device)
+        buf = torch.empty(8 * b, dtype=torch.int32, pin_memory=device.type == "cuda")
+        buf[0:b].view(torch.float32).copy_(torch.tensor(temperature, dtype=torch.float32))
+        buf[b : 2 * b].copy_(torch.tensor(top_k, dtype=torch.int32))
+        buf[2 * b : 3 * b].view(torch.float32).copy_(torch.tensor(top_p, dtype=torch.float32))
+        buf[3 * b : 4 * b].view(torch.float32).copy_(torch.tensor(min_p, dtype=torch.float32))
+        seeds = [((s + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63) for s in seed]
+        buf[4 * b :].view(torch.int64).copy_(torch.tensor(seeds + list(step), dtype=torch.int64))
+        dev = buf.to(device, non_blocking=True)
+        i64 = dev[4 * b :].view(torch.int64)
+        need_filters = (
+            any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(p > 0 for p in min_p)
+        )
+        return SamplingBatch(
+            temperature=dev[0:b].view(torch.float32),
+            top_k=dev[b : 2 * b],
+            top_p=dev[2 * b : 3 * b].view(torch.float32),
+            min_p=dev[3 * b : 4 * b].view(torch.float32),
+            seed=i64[:b],
+            step=i64[b:],
+            num_logprobs=num_logprobs,
+            all_greedy=all(t < GREEDY_EPS for t in temperature),
+            need_filters=need_filters,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32: raw-logit log-softmax at the sampled token
+    topk_ids: torch.Tensor | None  # [B, num_logprobs] int64, by raw logprob, descending
+    topk_logprobs: torch.Tensor | None  # [B, num_logprobs] float32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 bijection on int64 tensors holding values in [0, 2**32); in place, returns x."""
+    x.bitwise_xor_(x >> 16)
+    x.mul_(_C1).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_C2).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 16)
+    return x
+
+
+def counter_hash(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Hash of (seed, step, token_id): seed, step [B] int64 -> [B, V] int64 in [0, 2**32).
+
+    For a fixed (seed, step) the map token_id -> hash is a bijection (no duplicates in a row).
+    """
+    key = _mix32((seed & _M32) ^ 0x243F6A88)  # >> on int64 is arithmetic: mask after shifting
+    key = _mix32(key ^ ((seed >> 32) & _M32))
+    key = _mix32(key ^ (step & _M32))
+    key = _mix32(key ^ ((step >> 32) & _M32) ^ 0x9E3779B9)
+    tok = torch.arange(vocab_size, dtype=torch.int64, device=seed.device)
+    tok = _mix32(tok ^ 0x85A308D3)
+    return _mix32(key[:, None] ^ tok[None, :])
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms strictly inside (0, 1): [B] int64 seed/step -> [B, V] float32.
+
+    Uses the top 23 hash bits k: u = (2k + 1) / 2**24, exactly representable in float32, so
+    u is never 0 or 1 (it lies in [2**-24, 1 - 2**-24]) and has mean exactly 1/2.
+    """
+    h = counter_hash(seed, step, vocab_size)
+    return ((h >> 9) * 2 + 1).to(torch.float32).mul_(2.0**-24)
+
+
+def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log(u)): [B] int64 seed/step -> [B, V] float32."""
+    u = uniform_noise(seed, step, vocab_size)
+    return u.log_().neg_().log_().neg_()
+
+
+def apply_filters(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set filtered entries of temperature-scaled ``logits`` [B, V] float32 to -inf (new tensor).
+
+    top_k [B] int (<= 0 or >= V: off), top_p [B] float32 (>= 1: off), min_p [B] float32
+    (<= 0: off). Applied in the order top-k, top-p, min-p; each becomes a per-row threshold on the
+    logit value and a token is kept iff it is >= every threshold, so boundary ties are kept.
+    """
+    v = logits.shape[-1]
+    srt = torch.sort(logits, dim=-1, descending=True).values  # [B, V]
+    k = top_k.to(torch.int64)
+    k = torch.where((k <= 0) | (k > v), v, k)
+    thr_k = srt.gather(1, (k - 1)[:, None])  # [B, 1]; k-th largest value
+    srt_k = srt.masked_fill(srt < thr_k, float("-inf"))
+    probs = torch.softmax(srt_k, dim=-1)
+    excl = torch.cumsum(probs, dim=-1).sub_(probs)  # probability mass strictly before each token
+    p = top_p.to(torch.float32)[:, None]
+    n_keep = (excl < p).sum(dim=-1, keepdim=True).clamp_(min=1)  # [B, 1]; a prefix, top kept
+    n_keep = torch.where(p >= 1.0, v, n_keep)
+    thr_p = srt.gather(1, n_keep - 1)
+    thr_min = srt[:, :1] + torch.log(min_p.to(torch.float32).clamp(0.0, 1.0))[:, None]  # -inf if 0
+    thr = torch.maximum(torch.maximum(thr_k, thr_p), thr_min)
+    return logits.masked_fill(logits < thr, float("-inf"))
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Raw-logit logprobs, also used for prompt logprobs.
+
+    logits [N, V] (any float dtype; math in float32), token_ids [N] int -> (logprob of each target
+    [N] float32, top-k ids [N, k] int64, top-k logprobs [N, k] float32) with
+    k = min(num_logprobs, V), descending; the last two are None when num_logprobs == 0.
+    """
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [N, 1]
+    lp = (x.gather(1, token_ids.to(torch.int64)[:, None]) - lse).squeeze(1)
+    if num_logprobs <= 0:
+        return lp, None, None
+    vals, ids = torch.topk(x, min(num_logprobs, x.shape[-1]), dim=-1)  # same order as log_softmax
+    return lp, ids, vals - lse
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Sample one token per row. logits [B, V] (float32, or bf16/fp16: upcast to float32).
+
+    Returns token ids [B] int64 and raw logprobs; no host syncs, shapes depend on host ints only.
+    """
+    x = logits.float()
+    greedy_ids = torch.argmax(x, dim=-1)
+    if batch.all_greedy:
+        ids = greedy_ids
+    else:
+        is_greedy = batch.temperature < GREEDY_EPS
+        temp = torch.where(is_greedy, 1.0, batch.temperature)
+        scaled = x / temp[:, None]
+        if batch.need_filters:
+            scaled = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
+        scaled.add_(gumbel_noise(batch.seed, batch.step, x.shape[-1]))
+        ids = torch.where(is_greedy, greedy_ids, torch.argmax(scaled, dim=-1))
+    lp, topk_ids, topk_lp = compute_logprobs(x, ids, batch.num_logprobs)
+    return SamplerOutput(token_ids=ids, logprobs=lp, topk_ids=topk_ids, topk_logprobs=topk_lp)

@@ -1,0 +1,129 @@
+"""Load an HF-format checkpoint folder (config.json + safetensors, single file or sharded) into
+our model: build it on the meta device, materialize it on the target device in the target dtype,
+then copy every checkpoint tensor into its parameter, checking names and shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from mambaserve.config import ModelConfig
+from mambaserve.models.nemotron_h import checkpoint_name_to_param
+from mambaserve.models.registry import model_class
+
+PROGRESS_BAR_MIN_BYTES = 256 * 2**20
+_IGNORED_PREFIXES = ("mtp.",)  # multi-token-prediction heads: not used for serving
+_FLOAT32_PARAMS = ("gate.weight", "gate.e_score_correction_bias")  # kept fp32, like transformers
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"malformed {index}: {e}") from e
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ValueError(f"checkpoint shards listed in {index.name} are missing: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    raise ValueError(f"no safetensors weights in {path} (expected model.safetensors or "
+                     "model.safetensors.index.json)")
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
+               cfg: ModelConfig | None = None) -> torch.nn.Module:
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"model path {path} is not a directory")
+    cfg = cfg or ModelConfig.from_hf(path)
+    files = checkpoint_files(path)
+    device = torch.device(device)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_class(cfg)(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if name.endswith(_FLOAT32_PARAMS):
+            p.data = p.data.float()
+    for name, b in model.named_buffers():
+        if name.endswith(_FLOAT32_PARAMS):
+            b.data = b.data.float()
+
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers())
+    expected = {n for n in targets if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    loaded: dict[str, set[int] | None] = {}
+    unexpected, misshaped = [], []
+
+    total = sum(f.stat().st_size for f in files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
+               disable=total < PROGRESS_BAR_MIN_BYTES)
+    with torch.no_grad():
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types
+                raise ValueError(f"cannot read checkpoint file {file}: {e}") from e
+            with handle as f:
+                for key in f.keys():
+                    if key.startswith(_IGNORED_PREFIXES):
+                        continue
+                    mapped = checkpoint_name_to_param(key)
+                    pname, expert = mapped
+                    if pname not in targets:
+                        unexpected.append(key)
+                        continue
+                    tensor = f.get_tensor(key)
+                    dest = targets[pname] if expert is None else targets[pname][expert]
+                    if tensor.shape != dest.shape and tensor.numel() == dest.numel() and \
+                            pname.endswith("conv_weight"):
+                        tensor = tensor.reshape(dest.shape)  # HF conv1d weight is [D, 1, K]
+                    if tensor.shape != dest.shape:
+                        misshaped.append(f"{key}: checkpoint {tuple(tensor.shape)} vs model "
+                                         f"{tuple(dest.shape)}")
+                        continue
+                    dest.copy_(tensor)
+                    bar.update(tensor.numel() * tensor.element_size())
+                    if expert is None:
+                        loaded[pname] = None
+                    else:
+                        seen = loaded.setdefault(pname, set())
+                        if seen is not None:
+                            seen.add(expert)
+    bar.close()
+
+    missing = []
+    for n in sorted(expected):
+        if n not in loaded:
+            missing.append(n)
+        elif loaded[n] is not None and len(loaded[n]) != targets[n].shape[0]:
+            missing.append(f"{n} (experts {sorted(set(range(targets[n].shape[0])) - loaded[n])})")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected[:8]}"
+                        f"{' ...' if len(unexpected) > 8 else ''}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {misshaped[:8]}")
+    if problems:
+        raise ValueError(f"checkpoint {path} does not match the {cfg.architecture} config: "
+                         + "; ".join(problems))
+    return model.eval()

@@ -1,0 +1,97 @@
+"""NemotronH (hybrid Mamba2 / attention / MLP / MoE) for serving: flat token batches in,
+logits of selected tokens out. Parameter names follow the HF checkpoint without its `backbone.`
+prefix; `checkpoint_name_to_param` is the one place that maps checkpoint names to parameters."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from mambaserve.config import LayerKind, ModelConfig
+from mambaserve.layers.attention import Attention
+from mambaserve.layers.mamba2_mixer import Mamba2Mixer
+from mambaserve.layers.mlp import MLP
+from mambaserve.layers.moe import MoE
+from mambaserve.layers.norm import RMSNorm
+from mambaserve.metadata import ForwardMetadata
+
+
+class Block(nn.Module):
+    """Pre-norm residual block around one mixer of any kind."""
+
+    def __init__(self, cfg: ModelConfig, kind: LayerKind) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if kind is LayerKind.MAMBA:
+            self.mixer = Mamba2Mixer(cfg)
+        elif kind is LayerKind.ATTENTION:
+            self.mixer = Attention(cfg)
+        elif kind is LayerKind.MLP:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        else:
+            self.mixer = MoE(cfg)
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, k) for k in cfg.layer_kinds)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+        # index of each Mamba / attention layer inside the state / KV pools
+        self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
+        self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
+
+    def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
+                ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
+        """Runs every layer over the flat batch; returns logits [meta.num_logits, vocab] float32.
+
+        conv_state: [L_mamba, slots + 1, K-1, conv_dim]; ssm_state: [L_mamba, slots + 1, H, P, N];
+        kv_cache: [L_attn, 2, pages + 1, page_size, H_kv, head_dim].
+        """
+        h = self.embeddings(meta.input_ids)
+        for i, block in enumerate(self.layers):
+            x = block.norm(h)
+            if block.kind is LayerKind.MAMBA:
+                n = self.mamba_index[i]
+                x = block.mixer(x, meta, conv_state[n], ssm_state[n])
+            elif block.kind is LayerKind.ATTENTION:
+                x = block.mixer(x, meta, kv_cache[self.attention_index[i]])
+            else:
+                x = block.mixer(x)
+            h = h + x
+        h = h.index_select(0, meta.logits_idx)
+        return self.lm_head(self.norm_f(h)).float()
+
+
+# checkpoint name (without prefix) -> (parameter name, expert index or None, transform)
+_RENAMES = [
+    (re.compile(r"^layers\.(\d+)\.mixer\.conv1d\.weight$"), r"layers.\1.mixer.conv_weight"),
+    (re.compile(r"^layers\.(\d+)\.mixer\.conv1d\.bias$"), r"layers.\1.mixer.conv_bias"),
+    (re.compile(r"^layers\.(\d+)\.mixer\.norm\.weight$"), r"layers.\1.mixer.norm_weight"),
+    (re.compile(r"^layers\.(\d+)\.mixer\.experts\.up_proj$"), r"layers.\1.mixer.experts_up"),
+    (re.compile(r"^layers\.(\d+)\.mixer\.experts\.down_proj$"), r"layers.\1.mixer.experts_down"),
+]
+_EXPERT = re.compile(r"^layers\.(\d+)\.mixer\.experts\.(\d+)\.(up|down)_proj\.weight$")
+
+
+def checkpoint_name_to_param(name: str) -> tuple[str, int | None] | None:
+    """Map an HF checkpoint tensor name to (parameter name, expert index); None = not ours."""
+    for prefix in ("backbone.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    m = _EXPERT.match(name)
+    if m:
+        return f"layers.{m.group(1)}.mixer.experts_{m.group(3)}", int(m.group(2))
+    for pattern, repl in _RENAMES:
+        if pattern.match(name):
+            return pattern.sub(repl, name), None
+    return name, None

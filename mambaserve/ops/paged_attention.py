@@ -1,0 +1,57 @@
+"""Paged attention over the KV pool: write new K/V into pages, then causal attention per token.
+
+KV layout per attention layer: `kv_cache[2, num_pages + 1, page_size, H_kv, head_dim]` (index 0 =
+K, 1 = V; the last page is scratch for padding tokens). A token at absolute position j of row r
+lives at page `page_table[r, j // page_size]`, offset `j % page_size`; `slot_mapping[t]` is that
+flat offset for each new token (host-built).
+
+One function serves prefill, chunked prefill and decode: every query token t of row `token_row[t]`
+at absolute position `positions[t]` attends to the row's cached keys at positions <= positions[t].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, H_kv, head_dim]; slot_mapping: [T] int64 flat (page * page_size + offset)."""
+    _, num_pages, page_size, Hkv, Dh = kv_cache.shape
+    flat = kv_cache.view(2, num_pages * page_size, Hkv, Dh)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    token_row: torch.Tensor,
+    positions: torch.Tensor,
+    max_kv_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, head_dim]; page_table: [R, max_pages] int64; token_row, positions: [T] int64;
+    max_kv_len: host int >= every row's length after this forward. Returns [T, H, head_dim]."""
+    return paged_attention_ref(q, kv_cache, page_table, token_row, positions, max_kv_len, scale)
+
+
+def paged_attention_ref(q, kv_cache, page_table, token_row, positions, max_kv_len, scale):
+    T, H, Dh = q.shape
+    _, _, page_size, Hkv, _ = kv_cache.shape
+    j = torch.arange(max_kv_len, device=q.device)  # key positions
+    pages = page_table[:, j // page_size]  # [R, max_kv_len]
+    flat_idx = pages * page_size + j % page_size
+    kv_flat = kv_cache.view(2, -1, Hkv, Dh)
+    tok_idx = flat_idx.index_select(0, token_row)  # [T, max_kv_len]
+    k = kv_flat[0][tok_idx].float()  # [T, S, Hkv, Dh]
+    v = kv_flat[1][tok_idx].float()
+    rep = H // Hkv
+    k = k.repeat_interleave(rep, dim=2, output_size=H)
+    v = v.repeat_interleave(rep, dim=2, output_size=H)
+    scores = torch.einsum("thd,tshd->ths", q.float(), k) * scale
+    visible = j[None, :] <= positions[:, None]  # [T, S]
+    scores = scores.masked_fill(~visible[:, None, :], -torch.inf)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("ths,tshd->thd", probs, v).to(q.dtype)

@@ -1,0 +1,45 @@
+"""Selective state update: one Mamba2 decode step per row, in place on the state pool."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mambaserve.ops.conv1d import safe_slots
+
+
+def selective_state_update(
+    ssm_state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """state <- state * exp(dt A) + dt B x;  y = state · C + D x.
+
+    ssm_state: [num_slots + 1, H, P, N] (last slot = scratch); x: [Bt, H, P]; dt: [Bt, H] raw;
+    A, D, dt_bias: [H]; B, C: [Bt, G, N]; state_slots: [Bt] int32, negative = skip.
+    Returns y [Bt, H, P] in x.dtype.
+    """
+    return selective_state_update_ref(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit, state_slots)
+
+
+def selective_state_update_ref(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit, state_slots):
+    H = x.shape[1]
+    G = B.shape[1]
+    slots = safe_slots(state_slots, ssm_state.shape[0])
+    dt = F.softplus(dt.float() + dt_bias.float())
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])  # [Bt, H]
+    Bh = B.float().repeat_interleave(H // G, dim=1, output_size=H)  # [Bt, H, N]
+    Ch = C.float().repeat_interleave(H // G, dim=1, output_size=H)
+    state = ssm_state.index_select(0, slots).float()  # [Bt, H, P, N]
+    dA = torch.exp(dt * A.float())[..., None, None]
+    state = state * dA + (dt[..., None] * x.float())[..., None] * Bh[:, :, None, :]
+    ssm_state.index_copy_(0, slots, state.to(ssm_state.dtype))
+    y = torch.einsum("bhpn,bhn->bhp", state, Ch) + D.float()[None, :, None] * x.float()
+    return y.to(x.dtype)
