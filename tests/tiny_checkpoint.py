@@ -1,0 +1,38 @@
+"""Tiny random-weight NemotronH checkpoints saved by transformers (the reference), for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_KW = dict(
+    vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+    conv_kernel=4, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1,
+    initializer_range=0.08, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+)
+TINY_LAYERS = ["linear_attention", "moe", "linear_attention", "full_attention", "mlp",
+               "linear_attention", "full_attention", "mlp"]
+
+
+def make_tiny_checkpoint(path: Path, seed: int = 0, layers: list[str] | None = None,
+                         **overrides) -> Path:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = NemotronHConfig(layers_block_type=layers or TINY_LAYERS, **{**TINY_KW, **overrides})
+    model = NemotronHForCausalLM(cfg).eval()
+    # transformers initialises the router bias to zero; give it values so the biased choice is tested
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn_like(buf) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf(path: Path):
+    from transformers import NemotronHForCausalLM
+
+    return NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
