@@ -68,6 +68,7 @@ class ForwardMetadata:
     page_table: torch.Tensor  # [R, max_pages], padding = scratch page
     slot_mapping: torch.Tensor  # [T] flat KV offset of each new token
     logits_idx: torch.Tensor  # [num_logits] token indices whose logits are computed
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # caller's arrays, same upload
 
     @property
     def prefill_state_slots(self) -> torch.Tensor:
@@ -90,7 +91,10 @@ def _row_chunks(context_len: int, n: int, chunk_size: int) -> list[tuple[int, in
 
 
 def build_metadata(plan: BatchPlan, *, chunk_size: int, conv_kernel: int, page_size: int,
-                   scratch_page: int, device: torch.device | str) -> ForwardMetadata:
+                   scratch_page: int, device: torch.device | str,
+                   extra: dict[str, np.ndarray] | None = None) -> ForwardMetadata:
+    """`extra`: more int arrays of the caller (e.g. prompt-logprob targets) that should ride in
+    the same single upload; they come back as `meta.extra[name]`."""
     rows = plan.rows
     P, R = len(plan.prefills), len(rows)
     K1 = conv_kernel - 1
@@ -161,8 +165,10 @@ def build_metadata(plan: BatchPlan, *, chunk_size: int, conv_kernel: int, page_s
         "row_chunks": row_chunks, "row_num_chunks": row_num_chunks,
         "page_table": page_table, "slot_mapping": slot_mapping, "logits_idx": logits_idx,
     }
-    tensors = _upload(parts, device)
+    extra = extra or {}
+    tensors = _upload({**parts, **{f"extra.{k}": v for k, v in extra.items()}}, device)
     tensors["has_initial_state"] = tensors["has_initial_state"] > 0
+    tensors["extra"] = {k: tensors.pop(f"extra.{k}") for k in extra}
     return ForwardMetadata(
         num_prefills=P, num_prefill_tokens=Tp, num_decodes=len(plan.decodes), num_tokens=T,
         num_chunks=C, max_kv_len=max_kv_len, num_logits=len(logits_idx), **tensors)

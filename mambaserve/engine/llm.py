@@ -1,0 +1,81 @@
+"""The offline Python API, shaped like vLLM's: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from mambaserve.config import EngineConfig
+from mambaserve.engine.llm_engine import LLMEngine
+from mambaserve.engine.outputs import RequestOutput
+from mambaserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a hybrid Mamba2 checkpoint and generate.
+
+    `model`: a checkpoint folder in Hugging Face format (config.json, safetensors, tokenizer.json);
+    None takes the embedded default model. Engine settings are keyword arguments named like the
+    fields of `EngineConfig` (dtype, device, max_num_seqs, chunked_prefill_size, ...).
+    """
+
+    def __init__(self, model: str | Path | None = None, **engine_kwargs) -> None:
+        if model is None:
+            from mambaserve.default_model import default_model_path
+
+            model = default_model_path()
+        unknown = set(engine_kwargs) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s): {sorted(unknown)}; known: "
+                             f"{sorted(EngineConfig.__dataclass_fields__)}")
+        self.engine = LLMEngine(model, EngineConfig(**engine_kwargs))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of them. Returns one
+        RequestOutput per prompt, in order. All prompts are validated before any is queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in prompts:
+            self.engine._prompt_ids(p)  # validate everything first: a bad prompt queues nothing
+        ids = []
+        for p, sp in zip(prompts, params):
+            rid = f"gen-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, p, sp)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer")
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        return self.generate([tok.apply_chat_template(c) for c in convs], sampling_params)

@@ -1,0 +1,242 @@
+"""LLMEngine: owns the model, the pools, the scheduler and the runner; `step()` advances every
+running request by one forward and returns the outputs that changed."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from mambaserve.cache.kv_pool import KVPool
+from mambaserve.cache.state_pool import StatePool
+from mambaserve.config import EngineConfig, LayerKind, ModelConfig, resolve_dtype
+from mambaserve.engine.outputs import CompletionOutput, RequestOutput
+from mambaserve.engine.request import Request, Status
+from mambaserve.engine.runner import ModelRunner, RowResult
+from mambaserve.engine.sampling_params import SamplingParams
+from mambaserve.engine.scheduler import ScheduledBatch, Scheduler
+from mambaserve.engine.tokenizer import Tokenizer
+from mambaserve.models.loader import load_model
+
+logger = logging.getLogger("mambaserve")
+DEFAULT_CPU_BUDGET = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, model_path: str | Path, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        path = Path(model_path)
+        self.model_config = ModelConfig.from_hf(path)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device.type)
+        self.ssm_dtype = resolve_dtype(config.mamba_ssm_dtype)
+        self.model = load_model(path, self.dtype, self.device, self.model_config)
+        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.state_pool, self.kv_pool = self._make_pools()
+        self.scheduler = Scheduler(self.state_pool, self.kv_pool, config.max_num_seqs,
+                                   config.chunked_prefill_size)
+        self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
+        self.requests: dict[str, Request] = {}
+        self._parents: dict[str, list[Request]] = {}
+        self._rng = random.Random(config.seed)
+        self._counter = itertools.count()
+        self.stats = {"steps": 0, "prefill_rows": 0, "decode_rows": 0, "mixed_steps": 0,
+                      "chunked_prefills": 0}
+
+    # ---- memory ----------------------------------------------------------------------------
+    def _make_pools(self) -> tuple[StatePool, KVPool]:
+        cfg, c = self.model_config, self.config
+        slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype, self.ssm_dtype)
+        page_bytes = KVPool.bytes_per_page(cfg, c.page_size, self.dtype)
+        budget = c.memory_budget_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * c.gpu_memory_utilization) - (2 << 30)  # activations
+            else:
+                budget = DEFAULT_CPU_BUDGET
+        pages_per_seq = -(-self.max_model_len // c.page_size)
+        if page_bytes == 0:  # no attention layers: pages are free bookkeeping
+            num_slots = min(c.max_num_seqs, budget // max(slot_bytes, 1))
+            num_pages = max(1, num_slots) * pages_per_seq
+        else:
+            num_slots = min(c.max_num_seqs, (budget // 2) // max(slot_bytes, 1))
+            num_pages = (budget - num_slots * slot_bytes) // page_bytes
+        if num_slots < 1 or num_pages < 1:
+            raise ValueError(
+                f"memory budget of {budget / 2**20:.1f} MiB is too small: one state slot needs "
+                f"{slot_bytes / 2**20:.2f} MiB and one KV page {page_bytes / 2**20:.3f} MiB")
+        sp = StatePool(cfg, int(num_slots), self.dtype, self.ssm_dtype, self.device)
+        kv = KVPool(cfg, int(num_pages), c.page_size, self.dtype, self.device)
+        logger.info("state pool: %d slots x %.2f MiB = %.1f MiB (ssm state %s); KV pool: %d pages "
+                    "x %d tokens = %.1f MiB", sp.num_slots, slot_bytes / 2**20, sp.nbytes / 2**20,
+                    self.ssm_dtype, kv.num_pages, c.page_size, kv.nbytes / 2**20)
+        return sp, kv
+
+    def memory_report(self) -> dict:
+        return {"state_slots": self.state_pool.num_slots,
+                "state_bytes": self.state_pool.nbytes,
+                "state_bytes_per_slot": StatePool.bytes_per_slot(
+                    self.model_config, self.dtype, self.ssm_dtype),
+                "kv_pages": self.kv_pool.num_pages, "kv_page_size": self.kv_pool.page_size,
+                "kv_bytes": self.kv_pool.nbytes}
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | dict | list[int],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's limit is "
+                             f"{self.max_model_len} tokens including the output")
+        room = self.max_model_len - len(ids)
+        max_total = len(ids) + min(params.max_tokens or room, room)
+        children = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(62)
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            req = Request(rid, text, list(ids), params, seed, max_total,
+                          arrival=next(self._counter), index=i, parent_id=request_id)
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+            children.append(req)
+        for req in children:
+            self.scheduler.add(req)
+        for req in children:
+            self.requests[req.request_id] = req
+        self._parents[request_id] = children
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            ids = prompt["prompt_token_ids"]
+            text = prompt.get("prompt")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass prompt_token_ids")
+            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got "
+                             f"{type(prompt).__name__}")
+        if len(ids) == 0:
+            raise ValueError("empty prompt: it must contain at least one token")
+        V = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {V})")
+        return text, list(ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all its completions); frees its slot and pages. False if unknown."""
+        children = self._parents.get(request_id)
+        if not children:
+            return False
+        for req in children:
+            if not req.finished:
+                self.scheduler.finish(req, "abort")
+            self.requests.pop(req.request_id, None)
+        del self._parents[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        results = self.runner.execute(batch)
+        self._record_stats(batch)
+        touched: dict[str, None] = {}
+        for row, res in zip(batch.rows, results):
+            self._apply(row.request, row.num_tokens, res)
+            touched[row.request.parent_id] = None
+        return [self.output_of(pid) for pid in touched]
+
+    def _record_stats(self, batch: ScheduledBatch) -> None:
+        s = self.stats
+        s["steps"] += 1
+        s["prefill_rows"] += len(batch.prefills)
+        s["decode_rows"] += len(batch.decodes)
+        s["mixed_steps"] += bool(batch.prefills and batch.decodes)
+        s["chunked_prefills"] += sum(
+            1 for r in batch.prefills if r.start > 0 or r.start + r.num_tokens < r.request.prompt_len)
+
+    def _apply(self, req: Request, num_tokens: int, res: RowResult) -> None:
+        req.num_computed += num_tokens
+        if res.prompt_logprobs:
+            req.prompt_logprobs.extend(res.prompt_logprobs)
+        if res.token_id is None:
+            return
+        req.output_token_ids.append(res.token_id)
+        req.cumulative_logprob += res.logprob
+        if res.top_logprobs is not None:
+            req.output_logprobs.append(res.top_logprobs)
+        self._check_finished(req, res.token_id)
+
+    def _check_finished(self, req: Request, token: int) -> None:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        if self.tokenizer is not None:
+            prev = len(req.output_text)
+            req.output_text = self.tokenizer.decode(req.output_token_ids, p.skip_special_tokens)
+            if p.stop_list and n_out >= p.min_tokens:
+                for stop in p.stop_list:
+                    at = req.output_text.find(stop, max(0, prev - len(stop) + 1))
+                    if at >= 0:
+                        end = at + len(stop) if p.include_stop_str_in_output else at
+                        req.output_text = req.output_text[:end]
+                        self.scheduler.finish(req, "stop", stop)
+                        return
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self._eos_ids():
+                self.scheduler.finish(req, "stop", None)
+                return
+            if p.stop_token_ids and token in p.stop_token_ids:
+                self.scheduler.finish(req, "stop", token)
+                return
+        if req.prompt_len + n_out >= req.max_total_len:
+            self.scheduler.finish(req, "length")
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def output_of(self, parent_id: str) -> RequestOutput:
+        children = self._parents[parent_id]
+        first = children[0]
+        outs = [CompletionOutput(
+            index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
+            cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
+            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+            finish_reason=r.finish_reason, stop_reason=r.stop_reason) for r in children]
+        finished = all(r.status is Status.FINISHED for r in children)
+        out = RequestOutput(
+            request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs is not None
+            else None, outputs=outs, finished=finished, num_cached_tokens=first.num_cached_tokens)
+        if finished:
+            for r in children:
+                self.requests.pop(r.request_id, None)
+            self._parents.pop(parent_id, None)
+        return out
+
+    def kinds_present(self) -> set[LayerKind]:
+        return set(self.model_config.layer_kinds)

@@ -1,0 +1,55 @@
+"""A request's life inside the engine: tokens, resources held, and what it has produced."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from mambaserve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampler's seed (drawn by the engine when the user gave none)
+    max_total_len: int  # prompt + the most tokens it may generate
+    arrival: int = 0
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose effect is in the state slot / KV pages
+    num_cached_tokens: int = 0  # prefix reused from the cache
+    state_slot: int = -1
+    pages: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_text: str = ""
+    index: int = 0  # completion index within its parent request (n > 1)
+    parent_id: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= self.prompt_len
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

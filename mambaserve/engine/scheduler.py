@@ -1,0 +1,124 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step takes every running decode (one token each), then continues partially prefilled
+requests, then admits waiting requests first-come-first-served while a state slot, the KV pages
+the request may ever need, and a place under `max_num_seqs` are free. A request that does not
+fit waits (head-of-line: later requests do not overtake it). Prefill rows come first in the
+batch, decode rows last.
+
+KV pages are reserved for the request's whole length (prompt + max_tokens, capped at
+max_model_len) on admission, so a running request never needs preemption; in hybrid models the
+few attention layers make pages cheap next to the Mamba state slot every request needs anyway.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from mambaserve.cache.kv_pool import KVPool
+from mambaserve.cache.state_pool import StatePool
+from mambaserve.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledRow:
+    request: Request
+    start: int  # first token (index into request.all_token_ids) fed in this forward
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This row produces a new token (it reaches the end of the known tokens)."""
+        return self.start + self.num_tokens == len(self.request.all_token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[ScheduledRow]
+    decodes: list[ScheduledRow]
+
+    @property
+    def rows(self) -> list[ScheduledRow]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_num_seqs: int,
+                 token_budget: int) -> None:
+        self.state_pool, self.kv_pool = state_pool, kv_pool
+        self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def pages_needed(self, req: Request) -> int:
+        return self.kv_pool.pages_for(req.max_total_len)
+
+    def add(self, req: Request) -> None:
+        need = self.pages_needed(req)
+        if need > self.kv_pool.num_pages:
+            raise ValueError(
+                f"request {req.request_id} needs {need} KV pages for {req.max_total_len} tokens "
+                f"but the pool has {self.kv_pool.num_pages}; raise the memory budget or lower "
+                "max_tokens")
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.token_budget
+        decodes = [ScheduledRow(r, len(r.all_token_ids) - 1, 1)
+                   for r in self.running if r.prefill_done]
+        budget -= len(decodes)
+        prefills: list[ScheduledRow] = []
+        for r in self.running:
+            if budget <= 0:
+                break
+            if not r.prefill_done:
+                n = min(r.prompt_len - r.num_computed, budget)
+                prefills.append(ScheduledRow(r, r.num_computed, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.prompt_len - req.num_computed, budget)
+            prefills.append(ScheduledRow(req, req.num_computed, n))
+            budget -= n
+        if not prefills and not decodes:
+            return None
+        return ScheduledBatch(prefills, decodes)
+
+    def _admit(self, req: Request) -> bool:
+        if self.state_pool.num_free == 0 or self.kv_pool.num_free < self.pages_needed(req):
+            return False
+        req.state_slot = self.state_pool.allocate()
+        req.pages = self.kv_pool.allocate(self.pages_needed(req))
+        req.status = Status.RUNNING
+        return True
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark finished and give back everything the request held."""
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+
+    def _release(self, req: Request) -> None:
+        if req.state_slot >= 0:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = -1
+        if req.pages:
+            self.kv_pool.release(req.pages)
+            req.pages = []
