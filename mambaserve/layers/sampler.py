@@ -118,14 +118,18 @@ def counter_hash(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> tor
     return _mix32(key[:, None] ^ tok[None, :])
 
 
-def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniforms strictly inside (0, 1): [B] int64 seed/step -> [B, V] float32.
+def hash_to_uniform(h: torch.Tensor) -> torch.Tensor:
+    """Map int64 hashes in [0, 2**32) to float32 uniforms strictly inside (0, 1).
 
-    Uses the top 23 hash bits k: u = (2k + 1) / 2**24, exactly representable in float32, so
-    u is never 0 or 1 (it lies in [2**-24, 1 - 2**-24]) and has mean exactly 1/2.
+    Uses the top 23 bits k: u = (2k + 1) / 2**24, exactly representable in float32, so u is
+    never 0 or 1 (it lies in [2**-24, 1 - 2**-24]) and its mean is exactly 1/2.
     """
-    h = counter_hash(seed, step, vocab_size)
     return ((h >> 9) * 2 + 1).to(torch.float32).mul_(2.0**-24)
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms strictly inside (0, 1): [B] int64 seed/step -> [B, V] float32."""
+    return hash_to_uniform(counter_hash(seed, step, vocab_size))
 
 
 def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
