@@ -26,6 +26,13 @@ def selective_state_update(
     A, D, dt_bias: [H]; B, C: [Bt, G, N]; state_slots: [Bt] int32, negative = skip.
     Returns y [Bt, H, P] in x.dtype.
     """
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if x.is_cuda and triton_available():
+        from mambaserve.ops.triton.selective_state_update import selective_state_update_triton
+
+        return selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit,
+                                             state_slots)
     return selective_state_update_ref(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit, state_slots)
 
 
