@@ -78,6 +78,12 @@ def causal_conv1d_update(
     x: [B, conv_dim]; conv_state: [num_slots + 1, K-1, conv_dim]; state_slots: [B] int32 (negative =
     skip). Returns [B, conv_dim].
     """
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if x.is_cuda and triton_available():
+        from mambaserve.ops.triton.conv1d_update import causal_conv1d_update_triton
+
+        return causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation)
     return causal_conv1d_update_ref(x, weight, bias, conv_state, state_slots, activation)
 
 

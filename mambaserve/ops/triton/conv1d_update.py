@@ -1,0 +1,74 @@
+"""Triton decode kernel: one causal depthwise conv1d step per row, shifting the row's window.
+
+Grid: (rows, cdiv(conv_dim, BLOCK_D)). A program reads the row's K-1 saved inputs
+`conv_state[slot, :, d-block]` and the new input x, writes out = silu(sum_k w[d, k] * win[k] + b)
+(float32 math) and stores the window shifted by one (the K-1 newest inputs) back into the slot.
+A negative slot skips the row: the pool is neither read nor written and the output row is zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr, w_ptr, b_ptr, state_ptr, slot_ptr, out_ptr,
+    Dm,
+    x_b, x_d, w_d, w_k, s_slot, s_k, s_d, o_b, o_d,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    db = tl.program_id(1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)
+    offs = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    md = offs < Dm
+    mv = md & valid
+
+    x = tl.load(x_ptr + row * x_b + offs * x_d, mask=md, other=0.0)
+    # window value k (k = 0 oldest .. K-1 = x), cast to x.dtype as the reference does
+    acc = x.to(tl.float32) * tl.load(w_ptr + offs * w_d + (K - 1) * w_k, mask=md,
+                                     other=0.0).to(tl.float32)
+    s_base = state_ptr + slot * s_slot + offs * s_d
+    prev = tl.load(s_base, mask=mv, other=0.0)  # window[0]
+    for k in tl.static_range(K - 1):
+        w = tl.load(w_ptr + offs * w_d + k * w_k, mask=md, other=0.0).to(tl.float32)
+        acc += prev.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+        if k < K - 2:
+            nxt = tl.load(s_base + (k + 1) * s_k, mask=mv, other=0.0)
+            tl.store(s_base + k * s_k, nxt, mask=mv)  # shift: state[k] <- state[k + 1]
+            prev = nxt
+    tl.store(s_base + (K - 2) * s_k, x.to(state_ptr.dtype.element_ty), mask=mv)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=md, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    acc = tl.where(valid, acc, 0.0)
+    tl.store(out_ptr + row * o_b + offs * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
+
+
+def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation=True, *,
+                                block_d: int = 256, num_warps: int = 4):
+    """Same contract as `mambaserve.ops.conv1d.causal_conv1d_update`."""
+    Bt, Dm = x.shape
+    Dw, K = weight.shape
+    S, K1, Ds = conv_state.shape
+    assert Dw == Dm and Ds == Dm, (x.shape, weight.shape, conv_state.shape)
+    assert K1 == K - 1 and K >= 2, (K1, K)
+    assert state_slots.shape == (Bt,) and state_slots.is_contiguous()
+    assert bias is None or (bias.shape == (Dm,) and bias.is_contiguous())
+    out = torch.empty((Bt, Dm), dtype=x.dtype, device=x.device)
+    if Bt == 0:
+        return out
+    grid = (Bt, triton.cdiv(Dm, block_d))
+    _conv_update_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_state, state_slots, out, Dm,
+        *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
+        K=K, HAS_BIAS=bias is not None, SILU=bool(activation), BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    return out

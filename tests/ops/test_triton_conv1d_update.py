@@ -1,0 +1,68 @@
+"""Triton causal_conv1d_update vs. the reference (CPU interpreter without CUDA; GPU with it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from mambaserve.ops.conv1d import causal_conv1d_update_ref  # noqa: E402
+from mambaserve.ops.triton.conv1d_update import (  # noqa: E402
+    _conv_update_kernel,
+    causal_conv1d_update_triton,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and type(_conv_update_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+
+def _check(Bt, Dm, K, dtype, bias=True, activation=True, skip_rows=(), strided=False, seed=0,
+           tol=None, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = Bt + 2
+    state = torch.randn(num_slots + 1, K - 1, Dm, generator=gen).to(DEV, dtype)
+    if strided:
+        x = torch.randn(Bt, Dm + 40, generator=gen).to(DEV, dtype)[:, 13: 13 + Dm]
+    else:
+        x = torch.randn(Bt, Dm, generator=gen).to(DEV, dtype)
+    w = (torch.randn(Dm, K, generator=gen) * 0.5).to(DEV, dtype)
+    b = (torch.randn(Dm, generator=gen) * 0.5).to(DEV, dtype) if bias else None
+    slots = torch.randperm(num_slots, generator=gen)[:Bt].to(torch.int32)
+    for r in skip_rows:
+        slots[r] = -1
+    slots = slots.to(DEV)
+    st_ref, st = state.clone(), state.clone()
+    out_ref = causal_conv1d_update_ref(x, w, b, st_ref, slots, activation)
+    out = causal_conv1d_update_triton(x, w, b, st, slots, activation, **kw)
+    valid = slots >= 0
+    tol = tol or (1e-5 if dtype == torch.float32 else 5e-3)
+    assert out.dtype == x.dtype and not torch.isnan(out).any()
+    torch.testing.assert_close(out[valid].float(), out_ref[valid].float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(st[:-1], st_ref[:-1])  # state shift is an exact copy
+    torch.testing.assert_close(st[-1], state[-1])  # scratch untouched
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_conv_update_fp32(K):
+    _check(4, 300, K, torch.float32, skip_rows=(2,), seed=K)
+
+
+def test_conv_update_nobias_noact_strided():
+    _check(3, 96, 4, torch.float32, bias=False, activation=False, strided=True, skip_rows=(0,),
+           block_d=64)
+
+
+def test_conv_update_fp16():
+    _check(3, 128, 4, torch.float16, skip_rows=(1,))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("Bt", [1, 256])
+def test_conv_update_nemotron9b_bf16_gpu(Bt):
+    _check(Bt, 12288, 4, torch.bfloat16, strided=True, skip_rows=(0,) if Bt > 1 else (), tol=1e-2)
