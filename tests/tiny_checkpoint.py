@@ -36,3 +36,31 @@ def load_hf(path: Path):
     from transformers import NemotronHForCausalLM
 
     return NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+def add_byte_tokenizer(path: Path, vocab_size: int = 320) -> Path:
+    """A byte-level tokenizer (ids 0-2 special, one token per byte, no merges) with a chat
+    template, written as tokenizer.json + tokenizer_config.json."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "</s>", "bos_token": "<s>", "pad_token": "<pad>",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}",
+    }))
+    return path

@@ -39,7 +39,7 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of them. Returns one
         RequestOutput per prompt, in order. All prompts are validated before any is queued."""
-        if isinstance(prompts, (str, dict)):
+        if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()

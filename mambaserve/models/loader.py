@@ -68,7 +68,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
 
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())
-    expected = {n for n in targets if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    expected = set(targets)
     loaded: dict[str, set[int] | None] = {}
     unexpected, misshaped = [], []
 
@@ -109,6 +109,11 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
                             seen.add(expert)
     bar.close()
 
+    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
+        # NOTE: transformers' NemotronH never ties (its tied-keys map is empty) and saves lm_head;
+        # a checkpoint that omits lm_head under tie_word_embeddings shares the embeddings.
+        model.tie_lm_head()
+        expected.discard("lm_head.weight")
     missing = []
     for n in sorted(expected):
         if n not in loaded:

@@ -43,11 +43,13 @@ class NemotronHForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, k) for k in cfg.layer_kinds)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embeddings.weight
         # index of each Mamba / attention layer inside the state / KV pools
         self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
+
+    def tie_lm_head(self) -> None:
+        """Share the embedding matrix as the output projection (checkpoints without lm_head)."""
+        self.lm_head.weight = self.embeddings.weight
 
     def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
                 ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""Command line: `mambaserve generate | audit-syncs | ...` (see `mambaserve --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint folder (default: embedded model)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--mamba-ssm-dtype", default="float32")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(dtype=a.dtype, device=a.device, max_num_seqs=a.max_num_seqs,
+                chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
+                mamba_ssm_dtype=a.mamba_ssm_dtype)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from mambaserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(a.model, **_engine_kwargs(a))
+    t1 = time.perf_counter()
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
+    outs = llm.generate(list(a.prompt), params)
+    t2 = time.perf_counter()
+    for out in outs:
+        print(f"{out.prompt}{out.outputs[0].text}")
+        print("-" * 40)
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"[load {t1 - t0:.2f} s, generate {n} tokens in {t2 - t1:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mambaserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompt", nargs="+")
+    _engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    a = sub.add_parser("audit-syncs", help="count host syncs per forward in fixed scenarios")
+    _engine_args(a)
+    a.set_defaults(func=lambda ns: __import__(
+        "mambaserve.tools.audit_scenarios", fromlist=["run_cli"]).run_cli(ns))
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

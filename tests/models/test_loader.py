@@ -1,0 +1,107 @@
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_checkpoint import make_tiny_checkpoint
+
+from mambaserve.models.loader import load_model
+
+
+def test_loads_every_parameter_like_hf(tiny_ckpt, hf_model):
+    model = load_model(tiny_ckpt, torch.float32, "cpu")
+    hf = dict(hf_model.named_parameters())
+    assert torch.equal(model.embeddings.weight, hf["model.embeddings.weight"])
+    assert torch.equal(model.layers[0].mixer.conv_weight,
+                       hf["model.layers.0.mixer.conv1d.weight"].squeeze(1))
+    assert torch.equal(model.layers[1].mixer.experts_up[3],
+                       hf["model.layers.1.mixer.experts.up_proj"][3])
+    assert torch.equal(model.layers[1].mixer.gate.e_score_correction_bias,
+                       dict(hf_model.named_buffers())[
+                           "model.layers.1.mixer.gate.e_score_correction_bias"])
+    assert torch.equal(model.lm_head.weight, hf["lm_head.weight"])
+
+
+def test_dtype_conversion_keeps_router_fp32(tiny_ckpt):
+    model = load_model(tiny_ckpt, torch.bfloat16, "cpu")
+    assert model.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
+    assert model.layers[1].mixer.gate.weight.dtype == torch.float32
+
+
+def test_sharded_checkpoint(tmp_path, tiny_ckpt):
+    from tiny_checkpoint import load_hf
+
+    hf = load_hf(tiny_ckpt)
+    hf.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    a = load_model(tmp_path, torch.float32, "cpu")
+    b = load_model(tiny_ckpt, torch.float32, "cpu")
+    for (n1, p1), (n2, p2) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_tied_embeddings(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "tied", seed=3, tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    # transformers saves lm_head even when tie_word_embeddings is set: it is then used as saved
+    untied = load_model(path, torch.float32, "cpu")
+    assert torch.equal(untied.lm_head.weight, tensors["lm_head.weight"])
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(path, torch.float32, "cpu")
+    assert model.lm_head.weight.data_ptr() == model.embeddings.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, tensors["backbone.embeddings.weight"])
+
+
+def _edit(tmp_path, tiny_ckpt, fn):
+    dst = tmp_path / "edited"
+    shutil.copytree(tiny_ckpt, dst)
+    tensors = load_file(dst / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_missing_tensor_error(tmp_path, tiny_ckpt):
+    path = _edit(tmp_path, tiny_ckpt, lambda t: t.pop("backbone.layers.2.mixer.A_log"))
+    with pytest.raises(ValueError, match=r"missing tensors: \['layers.2.mixer.A_log'\]"):
+        load_model(path, torch.float32, "cpu")
+
+
+def test_missing_expert_error(tmp_path, tiny_ckpt):
+    path = _edit(tmp_path, tiny_ckpt,
+                 lambda t: t.pop("backbone.layers.1.mixer.experts.2.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"experts_up \(experts \[2\]\)"):
+        load_model(path, torch.float32, "cpu")
+
+
+def test_unexpected_tensor_error(tmp_path, tiny_ckpt):
+    path = _edit(tmp_path, tiny_ckpt,
+                 lambda t: t.__setitem__("backbone.layers.0.mixer.bogus", torch.zeros(2)))
+    with pytest.raises(ValueError, match="unexpected tensors: .*bogus"):
+        load_model(path, torch.float32, "cpu")
+
+
+def test_misshaped_tensor_error(tmp_path, tiny_ckpt):
+    path = _edit(tmp_path, tiny_ckpt,
+                 lambda t: t.__setitem__("backbone.norm_f.weight", torch.zeros(7)))
+    with pytest.raises(ValueError, match=r"mis-shaped tensors: .*norm_f.weight: checkpoint \(7,\)"):
+        load_model(path, torch.float32, "cpu")
+
+
+def test_missing_weights_and_corrupt_file(tmp_path, tiny_ckpt):
+    dst = tmp_path / "noweights"
+    dst.mkdir()
+    shutil.copy(tiny_ckpt / "config.json", dst)
+    with pytest.raises(ValueError, match="no safetensors weights"):
+        load_model(dst, torch.float32, "cpu")
+    (dst / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot read checkpoint file"):
+        load_model(dst, torch.float32, "cpu")
+    (dst / "model.safetensors").unlink()
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"x": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match="shards listed .* are missing"):
+        load_model(dst, torch.float32, "cpu")
