@@ -12,6 +12,12 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_
 
     Returns [T, D] in y.dtype (the weight multiply happens after the cast, as transformers does).
     """
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if y.is_cuda and triton_available():
+        from mambaserve.ops.triton.gated_rmsnorm import gated_rmsnorm_triton
+
+        return gated_rmsnorm_triton(y, z, weight, group_size, eps)
     return gated_rmsnorm_ref(y, z, weight, group_size, eps)
 
 
