@@ -1,0 +1,108 @@
+"""Admission under a tight memory budget, waiting, aborts, and pool accounting."""
+
+import torch
+
+from mambaserve import LLM, SamplingParams
+from mambaserve.cache.kv_pool import KVPool
+from mambaserve.cache.state_pool import StatePool
+
+
+def rand_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(3, 320, (n,), generator=g).tolist()}
+            for n in lengths]
+
+
+def tight_llm(tiny_ckpt, slots: int, **kw) -> LLM:
+    """An engine whose memory budget holds exactly `slots` state slots (+ a few KV pages)."""
+    probe = LLM(tiny_ckpt, max_num_seqs=1)
+    eng = probe.engine
+    slot_b = StatePool.bytes_per_slot(eng.model_config, eng.dtype, eng.ssm_dtype)
+    page_b = KVPool.bytes_per_page(eng.model_config, 16, eng.dtype)
+    budget = 2 * slots * slot_b + kw.pop("extra_pages", 0) * page_b
+    return LLM(tiny_ckpt, memory_budget_bytes=budget, max_num_seqs=8, max_model_len=256,
+               chunked_prefill_size=32, **kw)
+
+
+def test_requests_wait_for_slots_and_all_complete(tiny_ckpt):
+    llm = tight_llm(tiny_ckpt, slots=2)
+    eng = llm.engine
+    assert eng.state_pool.num_slots == 2
+    free_slots, free_pages = eng.state_pool.num_free, eng.kv_pool.num_free
+    prompts = rand_prompts([7, 12, 5, 9, 3, 11])
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    max_running = 0
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        max_running = max(max_running, len(eng.scheduler.running))
+        assert eng.state_pool.num_free + len(eng.scheduler.running) == 2
+    assert max_running == 2
+    assert len(done) == 6 and all(len(o.outputs[0].token_ids) == 10 for o in done.values())
+    # same tokens as an unconstrained engine
+    ref = LLM(tiny_ckpt, max_num_seqs=8).generate(prompts, params)
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(6)] == \
+        [o.outputs[0].token_ids for o in ref]
+    assert (eng.state_pool.num_free, eng.kv_pool.num_free) == (free_slots, free_pages)
+
+
+def test_kv_pages_limit_admission(tiny_ckpt):
+    llm = tight_llm(tiny_ckpt, slots=4)
+    eng = llm.engine
+    pages = eng.kv_pool.num_pages
+    # each request reserves pages for prompt + max_tokens; ask for more than half the pool
+    n_tokens = (pages // 2 + 1) * eng.kv_pool.page_size - 20
+    params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+    eng.add_request("a", rand_prompts([20])[0], params)
+    eng.add_request("b", rand_prompts([20], seed=1)[0], params)
+    eng.step()
+    assert len(eng.scheduler.running) == 1 and len(eng.scheduler.waiting) == 1
+    eng.abort_request("a")
+    eng.step()
+    assert [r.request_id for r in eng.scheduler.running] == ["b"]
+    eng.abort_request("b")
+    assert eng.kv_pool.num_free == pages and eng.state_pool.num_free == 4
+
+
+def test_request_larger_than_pool_is_refused(tiny_ckpt):
+    llm = tight_llm(tiny_ckpt, slots=1)
+    eng = llm.engine
+    import pytest
+
+    too_long = eng.kv_pool.num_pages * eng.kv_pool.page_size + 1
+    assert too_long < eng.max_model_len  # the pool, not the length limit, refuses it
+    with pytest.raises(ValueError, match="KV pages"):
+        llm.generate(rand_prompts([too_long - 1])[0], SamplingParams(max_tokens=2))
+    assert not eng.has_unfinished_requests() and eng.kv_pool.num_free == eng.kv_pool.num_pages
+
+
+def test_abort_frees_everything_midway(tiny_ckpt):
+    llm = LLM(tiny_ckpt, max_num_seqs=4, chunked_prefill_size=8)
+    eng = llm.engine
+    start = (eng.state_pool.num_free, eng.kv_pool.num_free)
+    params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True)
+    for i, p in enumerate(rand_prompts([30, 4, 17, 9, 22, 6])):
+        eng.add_request(f"x{i}", p, params)
+    for _ in range(3):
+        eng.step()  # x0 mid-prefill, others decoding or waiting
+    assert any(not r.prefill_done for r in eng.scheduler.running)
+    for i in range(6):
+        assert eng.abort_request(f"x{i}")
+    assert not eng.has_unfinished_requests()
+    assert (eng.state_pool.num_free, eng.kv_pool.num_free) == start
+    assert eng.abort_request("x0") is False
+    # the engine still works afterwards
+    out = llm.generate(rand_prompts([5])[0], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) <= 4
+    assert (eng.state_pool.num_free, eng.kv_pool.num_free) == start
+
+
+def test_memory_budget_too_small(tiny_ckpt):
+    import pytest
+
+    with pytest.raises(ValueError, match="memory budget .* too small"):
+        LLM(tiny_ckpt, memory_budget_bytes=1000)
