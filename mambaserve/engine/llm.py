@@ -49,12 +49,17 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         for p in prompts:
             self.engine._prompt_ids(p)  # validate everything first: a bad prompt queues nothing
-        ids = []
-        for p, sp in zip(prompts, params):
-            rid = f"gen-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, p, sp)
-            ids.append(rid)
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                rid = f"gen-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, p, sp)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:  # a refused prompt leaves nothing of this call queued
+                self.engine.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
         try:
