@@ -53,6 +53,14 @@ def ssd_chunk_scan_varlen(
     row_num_chunks:    [R] int64 number of chunks of each row (>= 1)
     returns (y [T, H, P] in x.dtype, chunk_end_states [num_chunks, H, P, N] float32)
     """
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if x.is_cuda and triton_available():
+        from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
+
+        return ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state,
+                                            state_slots, has_initial_state, chunk_token_idx,
+                                            token_chunk_pos, row_chunks, row_num_chunks)
     return ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                                      has_initial_state, chunk_token_idx, token_chunk_pos,
                                      row_chunks, row_num_chunks)

@@ -1,0 +1,125 @@
+"""Triton ssd_chunk_scan_varlen vs. the reference, on ragged batches built by build_metadata.
+
+Without CUDA the kernels run under Triton's CPU interpreter (float32 / float16, small shapes);
+float32 inputs use IEEE dots, so the tolerance is float32's. With CUDA the same cases run on the
+GPU, plus Nemotron-Nano-9B-v2 layer shapes in bf16 (relative-norm error < 1e-2, no NaN).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from mambaserve.metadata import BatchPlan, RowPlan, build_metadata  # noqa: E402
+from mambaserve.ops.ssd import ssd_chunk_scan_varlen_ref  # noqa: E402
+from mambaserve.ops.triton.ssd import _chunk_scan_kernel, ssd_chunk_scan_varlen_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and type(_chunk_scan_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+
+def _meta(rows, chunk_size):
+    """rows: list of (num_tokens, context_len, slot, has_initial_state)."""
+    plan = BatchPlan(
+        prefills=[RowPlan(token_ids=[1] * n, context_len=ctx, state_slot=slot,
+                          has_initial_state=init, pages=[0]) for n, ctx, slot, init in rows],
+        decodes=[])
+    return build_metadata(plan, chunk_size=chunk_size, conv_kernel=4, page_size=1 << 20,
+                          scratch_page=0, device=DEV)
+
+
+def _inputs(T, H, P, N, G, num_slots, dtype, gen, strided):
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(DEV)
+
+    if strided:  # like the mixer: x, B, C are split views of the conv output
+        buf = rnd(T, H * P + 2 * G * N).to(dtype)
+        x = buf[:, : H * P].view(T, H, P)
+        B = buf[:, H * P: H * P + G * N].view(T, G, N)
+        C = buf[:, H * P + G * N:].view(T, G, N)
+        dt = rnd(T, H + 5, scale=1.5).to(dtype)[:, 2: 2 + H]
+    else:
+        x, B, C = rnd(T, H, P).to(dtype), rnd(T, G, N).to(dtype), rnd(T, G, N).to(dtype)
+        dt = rnd(T, H, scale=1.5).to(dtype)
+    A = -(torch.rand(H, generator=gen) * 2 + 0.05).to(DEV)
+    D = rnd(H)
+    dt_bias = rnd(H, scale=0.5) - 1.0
+    ssm_state = rnd(num_slots + 1, H, P, N)
+    return x, dt, A, B, C, D, dt_bias, ssm_state
+
+
+def _run(rows, H, P, N, G, chunk_size, dtype, dt_limit=(0.0, float("inf")), strided=False,
+         seed=0, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    meta = _meta(rows, chunk_size)
+    T = meta.num_prefill_tokens
+    num_slots = max(r[2] for r in rows) + 2
+    x, dt, A, B, C, D, dtb, st = _inputs(T, H, P, N, G, num_slots, dtype, gen, strided)
+    args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
+            meta.chunk_token_idx, meta.token_chunk_pos, meta.row_chunks, meta.row_num_chunks)
+    st_ref, st_tri = st.clone(), st.clone()
+    y_ref, e_ref = ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dtb, dt_limit, st_ref, *args)
+    y, e = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, dt_limit, st_tri, *args, **kw)
+    assert y.dtype == x.dtype and e.dtype == torch.float32 and e.shape == e_ref.shape
+    assert not torch.isnan(y).any() and not torch.isnan(e).any()
+    return (y, e, st_tri), (y_ref, e_ref, st_ref), st
+
+
+def _close(got, ref, st0, tol):
+    (y, e, st), (y_ref, e_ref, st_ref) = got, ref
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(e, e_ref, rtol=tol, atol=tol)
+    # every real slot (skipped rows only wrote the scratch slot in the reference)
+    torch.testing.assert_close(st[:-1], st_ref[:-1], rtol=tol, atol=tol)
+    torch.testing.assert_close(st[-1], st0[-1])  # scratch slot untouched
+
+
+# (num_tokens, context_len, slot, has_initial_state): ragged rows; prefixes ending inside a chunk
+# (short first chunk); a row inside one chunk; rows with and without initial state; a padding row
+ROWS = [(37, 0, 0, False), (5, 10, 3, True), (16, 16, 1, True), (29, 3, 2, True),
+        (7, 0, -1, False)]
+
+
+def test_ssd_fp32_ragged():
+    got, ref, st0 = _run(ROWS, H=4, P=16, N=16, G=2, chunk_size=16, dtype=torch.float32)
+    _close(got, ref, st0, 1e-5)
+
+
+def test_ssd_fp32_remainders_strided_dtlimit():
+    # P not a multiple of the P block, N not a power of two, one group, clamp on dt
+    rows = [(40, 20, 1, True), (3, 0, 0, False)]
+    got, ref, st0 = _run(rows, H=2, P=24, N=20, G=1, chunk_size=16, dtype=torch.float32,
+                         dt_limit=(0.05, 0.8), strided=True, seed=1, block_p_state=16,
+                         block_p_scan=16)
+    _close(got, ref, st0, 1e-5)
+
+
+def test_ssd_fp16_chunk32():
+    rows = [(70, 5, 0, True), (33, 0, 1, False)]
+    got, ref, st0 = _run(rows, H=2, P=16, N=32, G=2, chunk_size=32, dtype=torch.float16, seed=2)
+    _close(got, ref, st0, 2e-2)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [
+    [(512, 0, i, False) for i in range(8)],
+    [(2048, 0, 0, False), (2000, 100, 1, True), (1500, 64, 2, True), (2500, 7, 3, False)],
+    [(8192, 0, 0, False)],
+], ids=["8x512", "4x2048ish", "1x8192"])
+def test_ssd_nemotron9b_bf16_gpu(rows):
+    got, ref, st0 = _run(rows, H=128, P=80, N=128, G=8, chunk_size=128, dtype=torch.bfloat16,
+                         strided=True, seed=3)
+    for a, b in zip(got, ref):
+        assert _rel(a, b) < 1e-2, _rel(a, b)
+    torch.testing.assert_close(got[2][-1], st0[-1])
