@@ -1,0 +1,65 @@
+"""gated_rmsnorm vs a float64 group-by-group formula (tests/ops/naive.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from naive import gen, naive_gated_rmsnorm, randn
+
+from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+DIM = 24
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+@pytest.mark.parametrize("group_size", [1, 3, 8, 12, 24])
+def test_matches_formula(group_size, eps):
+    g = gen("grms", group_size, eps)
+    T = 7
+    y, z = randn(g, T, DIM, scale=2.0), randn(g, T, DIM, scale=2.0)
+    w = 1.0 + randn(g, DIM, scale=0.3)
+    out = gated_rmsnorm(y, z, w, group_size, eps)
+    assert out.shape == (T, DIM) and out.dtype == torch.float32
+    torch.testing.assert_close(out, naive_gated_rmsnorm(y, z, w, group_size, eps).float(), **TOL)
+
+
+def test_groups_are_independent_and_scale_invariant():
+    """Scaling one group's input rescales nothing (rms norm), and changing one group leaves the
+    other groups' outputs bit-identical."""
+    g = gen("grms-groups")
+    gs, T = 8, 5
+    y, z, w = randn(g, T, DIM), randn(g, T, DIM), randn(g, DIM)
+    base = gated_rmsnorm(y, z, w, gs, 1e-9)
+    y2 = y.clone()
+    y2[:, gs:2 * gs] *= 37.0
+    out = gated_rmsnorm(y2, z, w, gs, 1e-9)
+    assert torch.equal(out[:, :gs], base[:, :gs]) and torch.equal(out[:, 2 * gs:], base[:, 2 * gs:])
+    # rms(37 h) = 37 rms(h); a tiny eps (1e-9) keeps its share of the result far below 1e-5
+    torch.testing.assert_close(out[:, gs:2 * gs], base[:, gs:2 * gs], **TOL)
+    # and the group really is normalized: mean square of out / w is 1 (up to eps)
+    h = out[:, gs:2 * gs] / w[gs:2 * gs]
+    torch.testing.assert_close(h.pow(2).mean(-1), torch.ones(T), **TOL)
+
+
+def test_all_zero_group_gives_zeros_not_nan():
+    g = gen("grms-zero")
+    y, z, w = randn(g, 3, DIM), randn(g, 3, DIM), randn(g, DIM)
+    y[1, 8:16] = 0.0
+    out = gated_rmsnorm(y, z, w, 8, 1e-5)
+    assert torch.equal(out[1, 8:16], torch.zeros(8))
+    torch.testing.assert_close(out, naive_gated_rmsnorm(y, z, w, 8, 1e-5).float(), **TOL)
+
+
+def test_bf16_keeps_dtype():
+    """In the model y, z and the weight share the model dtype; the result keeps it and is the
+    float32 normalization rounded once to bf16, then multiplied by the weight in bf16."""
+    g = gen("grms-bf16")
+    y, z = randn(g, 4, DIM).bfloat16(), randn(g, 4, DIM).bfloat16()
+    w = (1.0 + randn(g, DIM, scale=0.3)).bfloat16()
+    out = gated_rmsnorm(y, z, w, 12, 1e-5)
+    assert out.dtype == torch.bfloat16
+    # reference: normalize in float64 with unit weight, round to bf16, multiply in bf16
+    ref = w * naive_gated_rmsnorm(y, z, torch.ones(DIM), 12, 1e-5).bfloat16()
+    # bf16 has 8 mantissa bits: one rounding of the f32-vs-f64 result may flip the last bit
+    torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-2)

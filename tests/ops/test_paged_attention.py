@@ -1,0 +1,115 @@
+"""write_kv + paged_attention vs per-row causal softmax attention in float64
+(tests/ops/naive.py), with page tables / slot mappings built by the real build_metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from naive import gen, meta_for, naive_causal_attention, randn, row, row_spans
+
+from mambaserve.ops.paged_attention import paged_attention, write_kv
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+PAGE = 4
+NUM_PAGES = 40
+SCRATCH = NUM_PAGES  # last page of the pool
+
+# (context_len, new tokens) of each request; prefill rows first, then decode rows
+PREFILLS = [(0, 5), (6, 7), (8, 1), (3, 4), (0, 4)]
+DECODES = [(9, 1), (3, 1), (4, 1), (0, 1), (7, 1)]
+
+
+def pages_needed(n_tokens: int) -> int:
+    return -(-n_tokens // PAGE)
+
+
+def check_cache(kv, garbage, rows_pages, k_all, v_all, lengths):
+    """Every written position holds its K/V; every other position of the pool (unowned pages,
+    the scratch page, the unwritten tails of owned pages) still holds its old contents."""
+    expect = garbage.clone()
+    for pages, ks, vs, n in zip(rows_pages, k_all, v_all, lengths):
+        for j in range(n):
+            expect[0, pages[j // PAGE], j % PAGE] = ks[j]
+            expect[1, pages[j // PAGE], j % PAGE] = vs[j]
+    assert torch.equal(kv, expect), "write_kv wrote the wrong places"
+
+
+@pytest.mark.parametrize("H,Hkv,Dh", [(4, 2, 8), (4, 1, 16), (2, 2, 4), (6, 3, 8)])
+def test_mixed_batch_matches_naive(H, Hkv, Dh):
+    g = gen("attn", H, Hkv, Dh)
+    reqs = PREFILLS + DECODES
+    steps = 3  # forward 1: the mixed batch; forwards 2, 3: every request decodes one token
+    final_len = [c + n + steps - 1 for c, n in reqs]
+    # scrambled, non-contiguous page allocation
+    perm = torch.randperm(NUM_PAGES, generator=g).tolist()
+    rows_pages, at = [], 0
+    for L in final_len:
+        rows_pages.append(perm[at: at + pages_needed(L)])
+        at += pages_needed(L)
+    assert at <= NUM_PAGES
+    k_all = [randn(g, L, Hkv, Dh) for L in final_len]
+    v_all = [randn(g, L, Hkv, Dh) for L in final_len]
+    # the pool starts full of large finite garbage (stale pages of earlier requests)
+    garbage = randn(g, 2, NUM_PAGES + 1, PAGE, Hkv, Dh, scale=50.0)
+    kv = garbage.clone()
+
+    # an earlier forward wrote the cached prefixes (rows with context_len > 0)
+    pre = [(i, c) for i, (c, _) in enumerate(reqs) if c > 0]
+    meta0 = meta_for([row(c, 0, i, False, rows_pages[i]) for i, c in pre], page_size=PAGE,
+                     scratch_page=SCRATCH)
+    write_kv(kv, torch.cat([k_all[i][:c] for i, c in pre]), torch.cat([v_all[i][:c] for i, c in pre]),
+             meta0.slot_mapping)
+    lengths = [c for c, _ in reqs]
+    check_cache(kv, garbage, rows_pages, k_all, v_all, lengths)
+
+    scale = Dh ** -0.5
+    for step in range(steps):
+        if step == 0:
+            prefills = [row(n, c, i, c > 0, rows_pages[i]) for i, (c, n) in enumerate(PREFILLS)]
+            decodes = [row(1, c, len(PREFILLS) + j, True, rows_pages[len(PREFILLS) + j])
+                       for j, (c, _) in enumerate(DECODES)]
+        else:
+            prefills = []
+            decodes = [row(1, lengths[i], i, True, rows_pages[i]) for i in range(len(reqs))]
+        meta = meta_for(prefills, decodes, page_size=PAGE, scratch_page=SCRATCH)
+        batch = prefills + decodes
+        spans = row_spans(batch)
+        k_new = torch.cat([k_all[r.state_slot][r.context_len: r.context_len + r.num_tokens]
+                           for r in batch])
+        v_new = torch.cat([v_all[r.state_slot][r.context_len: r.context_len + r.num_tokens]
+                           for r in batch])
+        q = randn(g, meta.num_tokens, H, Dh)
+        write_kv(kv, k_new, v_new, meta.slot_mapping)
+        for r in batch:
+            lengths[r.state_slot] = r.context_len + r.num_tokens
+        check_cache(kv, garbage, rows_pages, k_all, v_all, lengths)
+
+        out = paged_attention(q, kv, meta.page_table, meta.token_row, meta.positions,
+                              meta.max_kv_len, scale)
+        assert out.shape == (meta.num_tokens, H, Dh) and out.dtype == torch.float32
+        for r, (s, e) in zip(batch, spans):
+            i, c = r.state_slot, r.context_len
+            ref = naive_causal_attention(q[s:e], k_all[i][: c + r.num_tokens],
+                                         v_all[i][: c + r.num_tokens],
+                                         torch.arange(c, c + r.num_tokens), scale)
+            torch.testing.assert_close(out[s:e], ref.float(), **TOL)
+
+
+def test_max_kv_len_beyond_longest_row():
+    """A max_kv_len larger than every row (up to the page table's capacity) changes nothing."""
+    H, Hkv, Dh = 4, 2, 8
+    g = gen("attn-maxlen")
+    rows = [row(3, 2, 0, True, [5, 1]), row(1, 4, 1, True, [7, 2, 9])]
+    meta = meta_for(rows[:1], rows[1:], page_size=PAGE, scratch_page=SCRATCH)
+    kv = randn(g, 2, NUM_PAGES + 1, PAGE, Hkv, Dh)
+    q = randn(g, meta.num_tokens, H, Dh)
+    a = paged_attention(q, kv, meta.page_table, meta.token_row, meta.positions, meta.max_kv_len,
+                        0.3)
+    b = paged_attention(q, kv, meta.page_table, meta.token_row, meta.positions,
+                        meta.page_table.shape[1] * PAGE, 0.3)
+    torch.testing.assert_close(a, b, **TOL)
+    # row 1's token at position 4 sees positions 0..4 of pages [7, 2]
+    k = torch.cat([kv[0, 7], kv[0, 2, :1]])
+    v = torch.cat([kv[1, 7], kv[1, 2, :1]])
+    ref = naive_causal_attention(q[3:], k, v, torch.tensor([4]), 0.3)
+    torch.testing.assert_close(a[3:], ref.float(), **TOL)
