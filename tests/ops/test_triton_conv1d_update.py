@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from mambaserve.ops.conv1d import causal_conv1d_update_ref  # noqa: E402
-from mambaserve.ops.triton.conv1d_update import (  # noqa: E402
+from mambaserve.ops.conv1d import causal_conv1d_update_ref
+from mambaserve.ops.triton.conv1d_update import (
     _conv_update_kernel,
     causal_conv1d_update_triton,
 )

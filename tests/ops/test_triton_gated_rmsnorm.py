@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from mambaserve.ops.gated_rmsnorm import gated_rmsnorm_ref  # noqa: E402
-from mambaserve.ops.triton.gated_rmsnorm import (  # noqa: E402
+from mambaserve.ops.gated_rmsnorm import gated_rmsnorm_ref
+from mambaserve.ops.triton.gated_rmsnorm import (
     _gated_rmsnorm_kernel,
     gated_rmsnorm_triton,
 )

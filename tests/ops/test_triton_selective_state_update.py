@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from mambaserve.ops.selective_state_update import selective_state_update_ref  # noqa: E402
-from mambaserve.ops.triton.selective_state_update import (  # noqa: E402
+from mambaserve.ops.selective_state_update import selective_state_update_ref
+from mambaserve.ops.triton.selective_state_update import (
     _ssu_kernel,
     selective_state_update_triton,
 )

@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from mambaserve.metadata import BatchPlan, RowPlan, build_metadata  # noqa: E402
-from mambaserve.ops.ssd import ssd_chunk_scan_varlen_ref  # noqa: E402
-from mambaserve.ops.triton.ssd import _chunk_scan_kernel, ssd_chunk_scan_varlen_triton  # noqa: E402
+from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+from mambaserve.ops.ssd import ssd_chunk_scan_varlen_ref
+from mambaserve.ops.triton.ssd import _chunk_scan_kernel, ssd_chunk_scan_varlen_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and type(_chunk_scan_kernel).__name__ != "InterpretedFunction":

@@ -56,7 +56,7 @@ def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activa
     """Same contract as `mambaserve.ops.conv1d.causal_conv1d_update`."""
     Bt, Dm = x.shape
     Dw, K = weight.shape
-    S, K1, Ds = conv_state.shape
+    _, K1, Ds = conv_state.shape
     assert Dw == Dm and Ds == Dm, (x.shape, weight.shape, conv_state.shape)
     assert K1 == K - 1 and K >= 2, (K1, K)
     assert state_slots.shape == (Bt,) and state_slots.is_contiguous()

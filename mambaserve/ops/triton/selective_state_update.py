@@ -68,7 +68,7 @@ def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limi
                                   *, block_p: int | None = None, num_warps: int | None = None):
     """Same contract as `mambaserve.ops.selective_state_update.selective_state_update`."""
     Bt, H, P = x.shape
-    S, H2, P2, N = ssm_state.shape
+    _, H2, P2, N = ssm_state.shape
     G = B.shape[1]
     assert (H2, P2) == (H, P), f"ssm_state {tuple(ssm_state.shape)} vs x {tuple(x.shape)}"
     assert dt.shape == (Bt, H), dt.shape

@@ -92,7 +92,7 @@ def _state_passing_kernel(
     s_ptrs = ssm_ptr + slot * s_slot + h * s_h + p * s_p + n * s_n
     running = tl.load(s_ptrs, mask=m & use_init, other=0.0).to(tl.float32)
     nck = tl.load(nchunks_ptr + r)
-    for i in range(0, nck):
+    for i in range(nck):
         cid = tl.load(row_chunks_ptr + r * rc_r + i).to(tl.int64)
         base = (cid * H + h) * P * N + offs
         tl.store(start_ptr + base, running, mask=m)
