@@ -53,7 +53,8 @@ def causal_conv1d_varlen_ref(x, weight, bias, conv_state, state_slots, has_initi
     K = weight.shape[1]
     slots = safe_slots(state_slots, conv_state.shape[0])
     init = conv_state.index_select(0, slots).to(x.dtype)  # [P, K-1, D]
-    init = init * has_initial_state.to(x.dtype)[:, None, None]
+    # where, not a multiply: a fresh row must not see NaN/inf left in a reused slot
+    init = torch.where(has_initial_state[:, None, None], init, 0.0)
     ext = torch.cat([init.reshape(num_rows * (K - 1), -1), x], dim=0)  # [P*(K-1)+T, D]
     windows = ext[conv_window_idx]  # [T, K, D]
     out = torch.einsum("tkd,dk->td", windows.to(weight.dtype), weight)

@@ -112,7 +112,8 @@ def ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, s
 
     # 3. pass states along each row's chunks (all rows in parallel, host-known loop length)
     slots = safe_slots(state_slots, ssm_state.shape[0])
-    init = ssm_state.index_select(0, slots).float() * has_initial_state.float()[:, None, None, None]
+    init = ssm_state.index_select(0, slots).float()  # where: ignore garbage in fresh rows' slots
+    init = torch.where(has_initial_state[:, None, None, None], init, 0.0)
     start_states = local_states.new_zeros((num_chunks + 1, H, P, N))
     end_states = local_states.new_zeros((num_chunks + 1, H, P, N))
     local_pad = torch.cat([local_states, local_states.new_zeros((1, H, P, N))])
