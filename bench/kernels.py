@@ -248,11 +248,40 @@ def prefill(peer, shapes, sweep):
                 TFLOPs=flops / ms / 1e9, rel_err=rel(yp.reshape(T, H, P), yr))
 
 
+def conv_prefill(shapes):
+    from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+    from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
+    from mambaserve.ops.triton.conv1d_varlen import causal_conv1d_varlen_triton
+
+    for nrows, seqlen in shapes:
+        plan = BatchPlan(prefills=[RowPlan([1] * seqlen, 5, i, True, [0]) for i in range(nrows)],
+                         decodes=[])
+        meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=1 << 20,
+                              scratch_page=0, device=DEV)
+        T = meta.num_prefill_tokens
+        x = torch.randn(T, CONV_DIM, device=DEV, dtype=DT)
+        w = torch.randn(CONV_DIM, K, device=DEV, dtype=DT) * 0.5
+        b = torch.randn(CONV_DIM, device=DEV, dtype=DT)
+        st = torch.randn(nrows + 1, K - 1, CONV_DIM, device=DEV, dtype=DT)
+        args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
+                meta.conv_window_idx, meta.conv_state_idx)
+        s1, s2 = st.clone(), st.clone()
+        err = rel(causal_conv1d_varlen_triton(x, w, b, s2, *args),
+                  causal_conv1d_varlen_ref(x, w, b, s1, *args))
+        nbytes = 2 * T * CONV_DIM * 2
+        ms = bench(lambda: causal_conv1d_varlen_triton(x, w, b, s2, *args))
+        row(op="conv_varlen", impl="triton", shape=f"{nrows}x{seqlen}", us=ms * 1e3,
+            TBps=nbytes / ms / 1e9, rel_err=err)
+        ms = bench(lambda: causal_conv1d_varlen_ref(x, w, b, s1, *args))
+        row(op="conv_varlen", impl="torch ref", shape=f"{nrows}x{seqlen}", us=ms * 1e3,
+            TBps=nbytes / ms / 1e9)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time block-size variants")
-    ap.add_argument("--only", default="decode,norm,prefill")
+    ap.add_argument("--only", default="decode,norm,conv,prefill")
     ap.add_argument("--dry", action="store_true", help="tiny CPU smoke run (interpreter)")
     args = ap.parse_args()
     if args.dry:
@@ -274,6 +303,8 @@ def main():
             decode(peer, [1, 3] if DRY else [1, 8, 64, 256], args.sweep)
         if "norm" in only:
             norm(peer, [3] if DRY else [1, 256, 8192])
+        if "conv" in only:
+            conv_prefill([(2, 40)] if DRY else [(8, 512), (1, 8192)])
         if "prefill" in only:
             prefill(peer, [(2, 40), (1, 50)] if DRY else [(8, 512), (4, 2048), (1, 8192)],
                     args.sweep)

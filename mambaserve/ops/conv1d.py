@@ -43,6 +43,14 @@ def causal_conv1d_varlen(
     conv_state_idx:    [num_prefills, K-1] int64 into the extended stream
     returns            [T, conv_dim] silu(conv(x)) (or the raw conv when activation=False)
     """
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if x.is_cuda and triton_available():
+        from mambaserve.ops.triton.conv1d_varlen import causal_conv1d_varlen_triton
+
+        return causal_conv1d_varlen_triton(x, weight, bias, conv_state, state_slots,
+                                           has_initial_state, conv_window_idx, conv_state_idx,
+                                           activation)
     return causal_conv1d_varlen_ref(x, weight, bias, conv_state, state_slots, has_initial_state,
                                     conv_window_idx, conv_state_idx, activation)
 

@@ -1,0 +1,75 @@
+"""Triton causal_conv1d_varlen vs. the reference on ragged build_metadata batches (CPU interpreter
+without CUDA; GPU with it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
+from mambaserve.ops.triton.conv1d_varlen import _conv_varlen_kernel, causal_conv1d_varlen_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and type(_conv_varlen_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+
+def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0, tol=None, **kw):
+    """rows: (num_tokens, context_len, slot, has_initial_state)."""
+    gen = torch.Generator().manual_seed(seed)
+    plan = BatchPlan(prefills=[RowPlan([1] * n, ctx, slot, init, [0]) for n, ctx, slot, init in rows],
+                     decodes=[])
+    meta = build_metadata(plan, chunk_size=16, conv_kernel=K, page_size=1 << 20, scratch_page=0,
+                          device=DEV)
+    T = meta.num_prefill_tokens
+    num_slots = max(r[2] for r in rows) + 2
+    state = torch.randn(num_slots + 1, K - 1, Dm, generator=gen).to(DEV, dtype)
+    x = torch.randn(T, Dm + 9, generator=gen).to(DEV, dtype)[:, 4: 4 + Dm]  # strided like xBC
+    w = (torch.randn(Dm, K, generator=gen) * 0.5).to(DEV, dtype)
+    b = (torch.randn(Dm, generator=gen) * 0.5).to(DEV, dtype) if bias else None
+    args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
+            meta.conv_window_idx, meta.conv_state_idx, activation)
+    st_ref, st = state.clone(), state.clone()
+    if nan_fresh:  # stale NaN in the slots of rows without an initial state
+        for n, ctx, slot, init in rows:
+            if not init and slot >= 0:
+                st_ref[slot] = 0.0
+                st[slot] = float("nan")
+    out_ref = causal_conv1d_varlen_ref(x, w, b, st_ref, *args)
+    out = causal_conv1d_varlen_triton(x, w, b, st, *args, **kw)
+    tol = tol or (1e-5 if dtype == torch.float32 else 5e-3)
+    assert out.dtype == x.dtype and not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(st[:-1], st_ref[:-1])  # new states are exact copies
+    torch.testing.assert_close(st[-1], state[-1])  # scratch untouched
+
+
+# rows shorter than K-1 (old saved inputs shift within the slot), fresh rows, a padding row
+ROWS = [(9, 0, 0, False), (1, 5, 2, True), (2, 7, 1, True), (20, 3, 3, True), (4, 0, -1, False)]
+
+
+@pytest.mark.parametrize("K", [4, 2])
+def test_conv_varlen_fp32(K):
+    _run(ROWS, 100, K, torch.float32, seed=K, block_t=8, block_d=64)
+
+
+def test_conv_varlen_nobias_noact_nan_fresh_slot():
+    _run(ROWS, 48, 4, torch.float32, bias=False, activation=False, nan_fresh=True, block_t=16,
+         block_d=32)
+
+
+def test_conv_varlen_fp16():
+    _run(ROWS[:3], 64, 4, torch.float16, block_t=16, block_d=64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conv_varlen_nemotron9b_bf16_gpu():
+    rows = [(2048, 0, 0, False), (2000, 100, 1, True), (2, 7, 2, True), (700, 5, 3, False)]
+    _run(rows, 12288, 4, torch.bfloat16, tol=1e-2)
