@@ -68,7 +68,8 @@ class SamplingBatch:
         buf[3 * b : 4 * b].view(torch.float32).copy_(torch.tensor(min_p, dtype=torch.float32))
         seeds = [((s + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63) for s in seed]
         buf[4 * b :].view(torch.int64).copy_(torch.tensor(seeds + list(step), dtype=torch.int64))
-        dev = buf.to(device, non_blocking=True)
+        # host lists -> device (an upload; on a CPU run the buffer is used as it is)
+        dev = buf if device.type == "cpu" else buf.to(device, non_blocking=True)
         i64 = dev[4 * b :].view(torch.int64)
         need_filters = (
             any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(p > 0 for p in min_p)

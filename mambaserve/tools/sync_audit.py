@@ -68,6 +68,8 @@ _ALWAYS_SYNC = {
     _aten._local_scalar_dense, _aten.nonzero, _aten.masked_select, _aten._unique,
     _aten._unique2, _aten.unique_dim, _aten.unique_consecutive, _aten.unique_dim_consecutive,
     _aten.equal, _aten.allclose, _aten.bincount,
+    # under torch.inference_mode() `.item()` and `bool(t)` dispatch these (not yet decomposed)
+    _aten.item, _aten.is_nonzero,
 }
 _INDEX_OPS = {_aten.index, _aten.index_put_, _aten.index_put, _aten._index_put_impl_}
 
@@ -220,11 +222,15 @@ class _FunctionMode(_AuditMode, TorchFunctionMode):
 class _DispatchMode(_AuditMode, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.audit._busy:
-            op = _dispatch_op(func, args, kwargs)
-            if op:
-                self.audit._record(op)
-        return func(*args, **kwargs)
+        op = None if self.audit._busy else _dispatch_op(func, args, kwargs)
+        if not op:
+            return func(*args, **kwargs)
+        self.audit._record(op)
+        self.audit._busy += 1  # e.g. aten.item -> _local_scalar_dense: one event
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.audit._busy -= 1
 
 
 class _State(threading.local):

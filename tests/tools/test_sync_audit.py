@@ -476,3 +476,17 @@ def test_cpu_verdicts_agree_with_cuda_profiler(toy, x):
         if synced != (case in SYNC_CASES) or audited != expected:
             disagree[case] = (got.counts, audited)
     assert disagree == {}
+
+
+def test_syncs_are_caught_under_inference_mode():
+    """The engine runs forwards under torch.inference_mode(), where `.item()` and `bool(t)`
+    dispatch aten.item / aten.is_nonzero instead of _local_scalar_dense."""
+    x = torch.randn(4)
+    with torch.inference_mode():
+        with SyncAudit() as audit:
+            if x.abs().max() > 1e9:
+                pass
+            x.sum().item()
+            int(x[0])
+            torch.arange(3) + 1  # no sync
+    assert [e.op for e in audit.events] == ["is_nonzero", "item", "item"]

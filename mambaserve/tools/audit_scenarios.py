@@ -1,0 +1,179 @@
+"""Fixed scenarios for the sync audit: every kind of forward the engine runs, with the host
+syncs counted per forward, per layer kind and per engine step (`mambaserve audit-syncs`).
+
+Scenario kinds (classified from each forward's batch):
+  prefill       only prefill rows, none with an initial state
+  continuation  a prefill row continuing from its state (chunked prefill / cache hit)
+  mixed         prefill rows and decode rows in one forward
+  decode        decode rows only
+A step's only sync should be the read-back of sampled tokens (section "readback").
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from mambaserve.engine.llm_engine import LLMEngine
+from mambaserve.engine.sampling_params import SamplingParams
+from mambaserve.engine.scheduler import ScheduledBatch
+from mambaserve.tools.sync_audit import CPU_ONLY_ALLOWED, AllowedSync, SyncAudit
+
+SCENARIOS = ("prefill", "continuation", "mixed", "decode")
+ENGINE_ALLOWED = [AllowedSync(
+    "mambaserve/engine/runner.py", "_as_numpy",
+    reason="numpy() of the tensor `.cpu()` just copied to the host: no device read on CUDA")]
+
+
+@dataclass
+class ScenarioResult:
+    forwards: int = 0
+    forward_syncs: int = 0  # inside the model forward
+    sampler_syncs: int = 0
+    step_syncs: int = 0  # everything in the step, readback included
+    readback_syncs: int = 0
+    expected_readbacks: int = 0  # forwards whose results the host needs (a row samples)
+    by_layer_kind: Counter = field(default_factory=Counter)
+    sites: Counter = field(default_factory=Counter)
+
+    @property
+    def ok(self) -> bool:
+        return self.forward_syncs == 0 and self.sampler_syncs == 0 and \
+            self.step_syncs == self.readback_syncs == self.expected_readbacks
+
+
+def classify(batch: ScheduledBatch) -> str:
+    if batch.prefills and batch.decodes:
+        return "mixed"
+    if batch.decodes:
+        return "decode"
+    if any(r.start > 0 for r in batch.prefills):
+        return "continuation"
+    return "prefill"
+
+
+_KIND = re.compile(r"\((\w+)\)$")
+
+
+def layer_kind(module_label: str | None, model: torch.nn.Module) -> str:
+    if module_label is None:
+        return "outside modules"
+    m = re.match(r"layers\.(\d+)", module_label)
+    if m:
+        return model.layers[int(m.group(1))].kind.value
+    return module_label
+
+
+def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
+    """Drive a workload that produces every scenario kind; audit each step."""
+    results = {k: ScenarioResult() for k in SCENARIOS}
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> dict:
+        return {"prompt_token_ids": torch.randint(3, vocab, (n,), generator=g).tolist()}
+
+    budget = engine.config.chunked_prefill_size
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=6, ignore_eos=True,
+                            logprobs=2, seed=1)
+    # (id, prompt, step at which it is added): b alone gives a pure prefill, then continuations;
+    # a and c join while b decodes (mixed forwards); the tail is decode-only
+    plan = [("b", prompt(2 * budget + 3), 0), ("a", prompt(max(2, budget // 2)), 3),
+            ("c", prompt(3), 5)]
+    current: dict[str, str] = {}
+
+    def on_forward(batch: ScheduledBatch, meta) -> None:
+        current["kind"] = classify(batch)
+        current["readback"] = any(r.samples or r.request.params.prompt_logprobs is not None
+                                  for r in batch.rows)
+
+    engine.runner.on_forward = on_forward
+    allow = ENGINE_ALLOWED + CPU_ONLY_ALLOWED
+    step = 0
+    try:
+        while step == 0 or engine.has_unfinished_requests():
+            for rid, p, at in plan:
+                if at == step:
+                    engine.add_request(rid, p, params)
+            audit = SyncAudit(root=engine.model, allow=allow)
+            with audit:
+                engine.runner.section = audit.section
+                outs = engine.step()
+            engine.runner.section = lambda label: __import__("contextlib").nullcontext()
+            step += 1
+            if not outs and "kind" not in current:
+                continue
+            r = results[current.pop("kind")]
+            r.forwards += 1
+            r.expected_readbacks += int(current.pop("readback"))
+            r.forward_syncs += audit.count(section="forward")
+            r.sampler_syncs += audit.count(section="sampler")
+            r.readback_syncs += audit.count(section="readback")
+            r.step_syncs += len(audit.events)
+            for e in audit.events:
+                if e.section == "forward":
+                    r.by_layer_kind[layer_kind(e.module, engine.model)] += 1
+                r.sites[f"[{e.section}] {e.op} at {e.site}"] += 1
+    finally:
+        engine.runner.on_forward = None
+    return results
+
+
+def format_report(results: dict[str, ScenarioResult]) -> str:
+    lines = [f"{'scenario':<14}{'forwards':>9}{'syncs/forward':>15}{'sampler':>9}"
+             f"{'syncs/step':>12}{'expected':>10}  verdict"]
+    for name, r in results.items():
+        if not r.forwards:
+            lines.append(f"{name:<14}{0:>9}  (scenario did not occur)")
+            continue
+        lines.append(f"{name:<14}{r.forwards:>9}{r.forward_syncs / r.forwards:>15.2f}"
+                     f"{r.sampler_syncs / r.forwards:>9.2f}{r.step_syncs / r.forwards:>12.2f}"
+                     f"{r.expected_readbacks / r.forwards:>10.2f}  "
+                     f"{'ok' if r.ok else 'SYNCS'}")
+        for kind, n in sorted(r.by_layer_kind.items()):
+            lines.append(f"    forward syncs in {kind} layers: {n}")
+        for site, n in r.sites.most_common():
+            lines.append(f"    {n:>4} x {site}")
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from mambaserve.config import EngineConfig
+    from mambaserve.default_model import default_model_path
+
+    engine = LLMEngine(args.model or default_model_path(), EngineConfig(
+        dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        chunked_prefill_size=min(args.chunked_prefill_size, 64), max_model_len=args.max_model_len,
+        mamba_ssm_dtype=args.mamba_ssm_dtype))
+    results = run_scenarios(engine)
+    print(format_report(results))
+    if engine.device.type == "cuda":
+        print(cuda_profile_report(engine))
+    missing = [k for k, r in results.items() if not r.forwards]
+    bad = [k for k, r in results.items() if r.forwards and not r.ok]
+    if bad or missing:
+        print(f"FAIL: syncs in {bad}; scenarios that did not occur: {missing}")
+        return 1
+    print("OK: zero host syncs inside every forward; one read-back per step")
+    return 0
+
+
+def cuda_profile_report(engine: LLMEngine) -> str:
+    """On CUDA, also count the profiler's synchronization / device-to-host copy events."""
+    from mambaserve.tools.sync_audit import profile_cuda_syncs
+
+    counts = defaultdict(int)
+    engine.add_request("profile", {"prompt_token_ids": list(range(3, 40))},
+                       SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        c = profile_cuda_syncs(engine.step)
+        steps += 1
+        for name, n in c.counts.items():
+            counts[name] += n
+    return f"CUDA profiler over {steps} steps: " + ", ".join(
+        f"{k}={v}" for k, v in sorted(counts.items())) + f" (per step: {sum(counts.values()) / steps:.2f})"
