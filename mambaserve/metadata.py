@@ -27,6 +27,11 @@ class RowPlan:
     has_initial_state: bool  # continue from the slot's state (else start from zeros)
     pages: list[int]  # KV pages covering positions [0, context_len + len(token_ids))
     logits_positions: list[int] = field(default_factory=list)  # row-local token offsets
+    # prefix cache: (absolute position, destination slot) of states to snapshot in this forward.
+    # Prefill rows: positions are chunk ends inside the row; decode rows: at most one, the
+    # position after the row's token.
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    restore_from: int = -1  # copy this slot's state into state_slot before the first layer
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +73,16 @@ class ForwardMetadata:
     page_table: torch.Tensor  # [R, max_pages], padding = scratch page
     slot_mapping: torch.Tensor  # [T] flat KV offset of each new token
     logits_idx: torch.Tensor  # [num_logits] token indices whose logits are computed
+    # prefix-cache snapshots and restores (sizes are host ints: no data-dependent shapes)
+    num_prefill_snapshots: int
+    num_decode_snapshots: int
+    num_restores: int
+    snap_chunk: torch.Tensor  # [S] chunk whose end state is saved
+    snap_conv_idx: torch.Tensor  # [S, K-1] into the extended conv stream
+    snap_dst: torch.Tensor  # [S] destination slots
+    decode_snap_dst: torch.Tensor  # [num_decodes] destination slot or -1 (none)
+    cow_src: torch.Tensor  # [num_restores] cached snapshot slots
+    cow_dst: torch.Tensor  # [num_restores] live slots they are copied into
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # caller's arrays, same upload
 
     @property
@@ -156,6 +171,26 @@ def build_metadata(plan: BatchPlan, *, chunk_size: int, conv_kernel: int, page_s
     logits_idx = np.array([starts[i] + p for i, r in enumerate(rows) for p in r.logits_positions],
                           dtype=np.int64)
 
+    # --- prefix-cache snapshots -----------------------------------------------------------------
+    snap_chunk, snap_conv, snap_dst = [], [], []
+    for r in range(P):
+        row = plan.prefills[r]
+        for pos, dst in row.snapshots:
+            local_end = pos - int(ctx[r])
+            ends = [int(starts[r]) + b for b in (e for _, e in
+                    _row_chunks(int(ctx[r]), int(lens[r]), chunk_size))]
+            if not 0 < local_end <= lens[r] or int(starts[r]) + local_end not in ends:
+                raise ValueError(f"snapshot position {pos} is not a chunk end of its row")
+            snap_chunk.append(chunk_rows[r][ends.index(int(starts[r]) + local_end)])
+            snap_conv.append(ext_index(np.int64(r), local_end + np.arange(K1)))
+            snap_dst.append(dst)
+    decode_snap_dst = []
+    for row in plan.decodes:
+        if len(row.snapshots) > 1 or any(p != row.context_len + 1 for p, _ in row.snapshots):
+            raise ValueError("a decode row snapshots at most the position after its token")
+        decode_snap_dst.append(row.snapshots[0][1] if row.snapshots else -1)
+    restores = [(r.restore_from, r.state_slot) for r in rows if r.restore_from >= 0]
+
     parts = {
         "input_ids": input_ids, "positions": positions, "token_row": token_row,
         "state_slots": np.array([r.state_slot for r in rows], dtype=np.int64),
@@ -164,6 +199,12 @@ def build_metadata(plan: BatchPlan, *, chunk_size: int, conv_kernel: int, page_s
         "chunk_token_idx": chunk_token_idx, "token_chunk_pos": token_chunk_pos,
         "row_chunks": row_chunks, "row_num_chunks": row_num_chunks,
         "page_table": page_table, "slot_mapping": slot_mapping, "logits_idx": logits_idx,
+        "snap_chunk": np.array(snap_chunk, dtype=np.int64),
+        "snap_conv_idx": np.array(snap_conv, dtype=np.int64).reshape(len(snap_conv), K1),
+        "snap_dst": np.array(snap_dst, dtype=np.int64),
+        "decode_snap_dst": np.array(decode_snap_dst, dtype=np.int64),
+        "cow_src": np.array([s for s, _ in restores], dtype=np.int64),
+        "cow_dst": np.array([d for _, d in restores], dtype=np.int64),
     }
     extra = extra or {}
     tensors = _upload({**parts, **{f"extra.{k}": v for k, v in extra.items()}}, device)
@@ -171,7 +212,10 @@ def build_metadata(plan: BatchPlan, *, chunk_size: int, conv_kernel: int, page_s
     tensors["extra"] = {k: tensors.pop(f"extra.{k}") for k in extra}
     return ForwardMetadata(
         num_prefills=P, num_prefill_tokens=Tp, num_decodes=len(plan.decodes), num_tokens=T,
-        num_chunks=C, max_kv_len=max_kv_len, num_logits=len(logits_idx), **tensors)
+        num_chunks=C, max_kv_len=max_kv_len, num_logits=len(logits_idx),
+        num_prefill_snapshots=len(snap_dst),
+        num_decode_snapshots=sum(1 for d in decode_snap_dst if d >= 0),
+        num_restores=len(restores), **tensors)
 
 
 def _upload(parts: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -47,6 +47,10 @@ class StatePool:
         return (self.conv_state.numel() * self.conv_state.element_size()
                 + self.ssm_state.numel() * self.ssm_state.element_size())
 
+    @property
+    def bytes_per_slot_actual(self) -> int:
+        return self.nbytes // (self.num_slots + 1)
+
     def allocate(self) -> int | None:
         return self._free.pop() if self._free else None
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 from pathlib import Path
 
 import torch
 
 from mambaserve.cache.kv_pool import KVPool
+from mambaserve.cache.radix_cache import PrefixCache
 from mambaserve.cache.state_pool import StatePool
 from mambaserve.config import EngineConfig, LayerKind, ModelConfig, resolve_dtype
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
@@ -18,6 +20,7 @@ from mambaserve.engine.request import Request, Status
 from mambaserve.engine.runner import ModelRunner, RowResult
 from mambaserve.engine.sampling_params import SamplingParams
 from mambaserve.engine.scheduler import ScheduledBatch, Scheduler
+from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.tokenizer import Tokenizer
 from mambaserve.models.loader import load_model
 
@@ -39,9 +42,13 @@ class LLMEngine:
         self.model = load_model(path, self.dtype, self.device, self.model_config)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.snapshot_interval = self._snapshot_interval()
         self.state_pool, self.kv_pool = self._make_pools()
-        self.scheduler = Scheduler(self.state_pool, self.kv_pool, config.max_num_seqs,
-                                   config.chunked_prefill_size)
+        self.prefix_cache = PrefixCache(self.snapshot_interval, self.state_pool, self.kv_pool) \
+            if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(
+            self.state_pool, self.kv_pool, config.max_num_seqs, config.chunked_prefill_size,
+            SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None)
         self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
@@ -49,6 +56,23 @@ class LLMEngine:
         self._counter = itertools.count()
         self.stats = {"steps": 0, "prefill_rows": 0, "decode_rows": 0, "mixed_steps": 0,
                       "chunked_prefills": 0}
+
+    def _snapshot_interval(self) -> int:
+        """Default: the smallest legal interval, lcm(chunk_size, page_size). The number of
+        snapshots is set by the policy (one per request in flight, one per cached branch end or
+        divergence point), not by the interval, so the finest interval reuses the most at no
+        extra memory; its cost is one state copy per interval crossed while decoding."""
+        chunk, page = self.model_config.chunk_size, self.config.page_size
+        interval = self.config.mamba_snapshot_interval
+        if interval is None:
+            return math.lcm(chunk, page)
+        if interval <= 0 or interval % chunk:
+            raise ValueError(f"mamba_snapshot_interval={interval} must be a positive multiple of "
+                             f"the model's SSD chunk size ({chunk})")
+        if interval % page:
+            raise ValueError(f"mamba_snapshot_interval={interval} must be a multiple of the KV "
+                             f"page size ({page})")
+        return interval
 
     # ---- memory ----------------------------------------------------------------------------
     def _make_pools(self) -> tuple[StatePool, KVPool]:
@@ -63,11 +87,14 @@ class LLMEngine:
             else:
                 budget = DEFAULT_CPU_BUDGET
         pages_per_seq = -(-self.max_model_len // c.page_size)
+        # with prefix caching a request may hold a private snapshot slot besides its live one,
+        # and cached snapshots need slots of their own
+        want_slots = c.max_num_seqs * 3 + 8 if c.enable_prefix_caching else c.max_num_seqs
         if page_bytes == 0:  # no attention layers: pages are free bookkeeping
-            num_slots = min(c.max_num_seqs, budget // max(slot_bytes, 1))
+            num_slots = min(want_slots, budget // max(slot_bytes, 1))
             num_pages = max(1, num_slots) * pages_per_seq
         else:
-            num_slots = min(c.max_num_seqs, (budget // 2) // max(slot_bytes, 1))
+            num_slots = min(want_slots, (budget // 2) // max(slot_bytes, 1))
             num_pages = (budget - num_slots * slot_bytes) // page_bytes
         if num_slots < 1 or num_pages < 1:
             raise ValueError(
@@ -163,7 +190,10 @@ class LLMEngine:
         results = self.runner.execute(batch)
         self._record_stats(batch)
         touched: dict[str, None] = {}
+        policy = self.scheduler.policy
         for row, res in zip(batch.rows, results):
+            if policy is not None:
+                policy.after_forward(row.request)
             self._apply(row.request, row.num_tokens, res)
             touched[row.request.parent_id] = None
         return [self.output_of(pid) for pid in touched]
@@ -237,6 +267,24 @@ class LLMEngine:
                 self.requests.pop(r.request_id, None)
             self._parents.pop(parent_id, None)
         return out
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache metrics: hit rates in tokens and requests, snapshots and their memory,
+        evictions (empty when caching is off)."""
+        return self.prefix_cache.stats() if self.prefix_cache else {}
+
+    def check_integrity(self) -> None:
+        """Every page reference, state slot and tree lock accounted for (tests call this)."""
+        running = self.scheduler.running
+        slots = [r.state_slot for r in running]
+        slots += [r.pending_slot for r in running if r.pending_slot >= 0]
+        slots += [r.divergence_slot for r in running if r.divergence_slot >= 0]
+        if self.prefix_cache is None:
+            assert len(slots) + self.state_pool.num_free == self.state_pool.num_slots
+            assert all(c in (0, 1) for c in self.kv_pool.ref_count)
+            return
+        self.prefix_cache.check_integrity([r.pages for r in running], slots,
+                                          [r.cache_path for r in running])
 
     def kinds_present(self) -> set[LayerKind]:
         return set(self.model_config.layer_kinds)

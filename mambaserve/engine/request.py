@@ -37,6 +37,14 @@ class Request:
     output_text: str = ""
     index: int = 0  # completion index within its parent request (n > 1)
     parent_id: str | None = None
+    # prefix cache (see engine/snapshot_policy.py)
+    cache_path: list = field(default_factory=list)  # matched tree nodes, locked while running
+    restore_from: int = -1  # cached snapshot slot to copy into the live slot before prefill
+    divergence_pos: int = -1  # end of the deepest matched block without a snapshot
+    divergence_slot: int = -1
+    pending_slot: int = -1  # private slot with the state at the last interval passed
+    pending_pos: int = 0  # position of the state in pending_slot (0 = none yet)
+    pending_target: int = 0  # position being written by the forward in flight
 
     @property
     def prompt_len(self) -> int:

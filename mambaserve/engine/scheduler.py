@@ -14,11 +14,12 @@ few attention layers make pages cheap next to the Mamba state slot every request
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.state_pool import StatePool
 from mambaserve.engine.request import Request, Status
+from mambaserve.engine.snapshot_policy import SnapshotPolicy
 
 
 @dataclass
@@ -26,6 +27,8 @@ class ScheduledRow:
     request: Request
     start: int  # first token (index into request.all_token_ids) fed in this forward
     num_tokens: int
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, slot)
+    restore_from: int = -1  # cached snapshot slot copied into the live slot first
 
     @property
     def samples(self) -> bool:
@@ -49,8 +52,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_num_seqs: int,
-                 token_budget: int) -> None:
-        self.state_pool, self.kv_pool = state_pool, kv_pool
+                 token_budget: int, policy: SnapshotPolicy | None = None) -> None:
+        self.state_pool, self.kv_pool, self.policy = state_pool, kv_pool, policy
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -95,13 +98,27 @@ class Scheduler:
             budget -= n
         if not prefills and not decodes:
             return None
+        if self.policy is not None:
+            for row in prefills + decodes:
+                req = row.request
+                row.snapshots = self.policy.snapshots_for(req, row.start, row.num_tokens,
+                                                          is_decode=req.prefill_done)
+                row.restore_from, req.restore_from = req.restore_from, -1
         return ScheduledBatch(prefills, decodes)
 
     def _admit(self, req: Request) -> bool:
-        if self.state_pool.num_free == 0 or self.kv_pool.num_free < self.pages_needed(req):
-            return False
+        path, hit_len = self.policy.match(req) if self.policy else ([], 0)
+        shared = self.policy.pages_shared(path, hit_len) if self.policy else 0
+        need = self.pages_needed(req) - shared
+        if self.state_pool.num_free == 0 or self.kv_pool.num_free < need:
+            if self.policy is None or not self.policy.make_room(path, 1, need):
+                return False
         req.state_slot = self.state_pool.allocate()
-        req.pages = self.kv_pool.allocate(self.pages_needed(req))
+        pages = self.kv_pool.allocate(need)
+        if self.policy is not None:
+            self.policy.admit(req, path, hit_len, pages)
+        else:
+            req.pages = pages
         req.status = Status.RUNNING
         return True
 
@@ -116,6 +133,8 @@ class Scheduler:
         req.status = Status.FINISHED
 
     def _release(self, req: Request) -> None:
+        if self.policy is not None:
+            self.policy.release(req)  # hands snapshots and blocks to the tree first
         if req.state_slot >= 0:
             self.state_pool.free(req.state_slot)
             req.state_slot = -1

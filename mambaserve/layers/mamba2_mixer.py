@@ -12,6 +12,11 @@ from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
 from mambaserve.ops.selective_state_update import selective_state_update
+from mambaserve.ops.state_snapshot import (
+    save_decode_snapshots,
+    save_prefill_conv_snapshots,
+    save_prefill_ssm_snapshots,
+)
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 
 
@@ -46,16 +51,23 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(T, H, P, dtype=x.dtype, device=x.device)
 
         if meta.num_prefills:
+            if meta.num_prefill_snapshots:  # before the conv overwrites the rows' windows
+                save_prefill_conv_snapshots(xBC[:Tp], conv_state, meta.prefill_state_slots,
+                                            meta.has_initial_state, meta.snap_conv_idx,
+                                            meta.snap_dst)
             xBC_p = causal_conv1d_varlen(
                 xBC[:Tp], self.conv_weight, self.conv_bias, conv_state, meta.prefill_state_slots,
                 meta.has_initial_state, meta.conv_window_idx, meta.conv_state_idx)
             xs, B, C = xBC_p.split([self.d_inner, G * N, G * N], dim=-1)
-            y_p, _ = ssd_chunk_scan_varlen(
+            y_p, chunk_end_states = ssd_chunk_scan_varlen(
                 xs.reshape(Tp, H, P), dt[:Tp], A, B.reshape(Tp, G, N), C.reshape(Tp, G, N),
                 self.D, self.dt_bias, self.prefill_dt_limit, ssm_state, meta.prefill_state_slots,
                 meta.has_initial_state, meta.chunk_token_idx, meta.token_chunk_pos,
                 meta.row_chunks, meta.row_num_chunks)
             y[:Tp] = y_p
+            if meta.num_prefill_snapshots:
+                save_prefill_ssm_snapshots(ssm_state, chunk_end_states, meta.snap_chunk,
+                                           meta.snap_dst)
         if meta.num_decodes:
             Bd = T - Tp
             xBC_d = causal_conv1d_update(xBC[Tp:], self.conv_weight, self.conv_bias, conv_state,
@@ -65,6 +77,9 @@ class Mamba2Mixer(nn.Module):
                 ssm_state, xs.reshape(Bd, H, P), dt[Tp:], A, B.reshape(Bd, G, N),
                 C.reshape(Bd, G, N), self.D, self.dt_bias, self.decode_dt_limit,
                 meta.decode_state_slots)
+            if meta.num_decode_snapshots:
+                save_decode_snapshots(conv_state, ssm_state, meta.decode_state_slots,
+                                      meta.decode_snap_dst)
 
         y = gated_rmsnorm(y.view(T, self.d_inner), z, self.norm_weight,
                           self.d_inner // self.n_groups, self.norm_eps)

@@ -55,15 +55,21 @@ def causal_conv1d_varlen(
                                     conv_window_idx, conv_state_idx, activation)
 
 
-def causal_conv1d_varlen_ref(x, weight, bias, conv_state, state_slots, has_initial_state,
-                             conv_window_idx, conv_state_idx, activation=True):
-    num_rows = state_slots.shape[0]
-    K = weight.shape[1]
+def extended_stream(x: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
+                    has_initial_state: torch.Tensor) -> torch.Tensor:
+    """[P*(K-1) + T, conv_dim]: each prefill row's saved K-1 inputs (zeros for rows without an
+    initial state), then the new tokens. The host-built conv indices point into it."""
     slots = safe_slots(state_slots, conv_state.shape[0])
     init = conv_state.index_select(0, slots).to(x.dtype)  # [P, K-1, D]
     # where, not a multiply: a fresh row must not see NaN/inf left in a reused slot
     init = torch.where(has_initial_state[:, None, None], init, 0.0)
-    ext = torch.cat([init.reshape(num_rows * (K - 1), -1), x], dim=0)  # [P*(K-1)+T, D]
+    return torch.cat([init.reshape(-1, x.shape[1]), x], dim=0)
+
+
+def causal_conv1d_varlen_ref(x, weight, bias, conv_state, state_slots, has_initial_state,
+                             conv_window_idx, conv_state_idx, activation=True):
+    slots = safe_slots(state_slots, conv_state.shape[0])
+    ext = extended_stream(x, conv_state, state_slots, has_initial_state)
     windows = ext[conv_window_idx]  # [T, K, D]
     out = torch.einsum("tkd,dk->td", windows.to(weight.dtype), weight)
     if bias is not None:

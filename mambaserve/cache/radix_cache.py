@@ -1,0 +1,206 @@
+"""Prefix cache for hybrid models: a radix tree over token ids whose edges are fixed blocks of
+`interval` tokens (the snapshot interval), with Mamba state snapshots at block ends.
+
+An SSM state exists only for the exact prefix it summarizes, so a hit can only start at a
+position where a snapshot was taken; blocks are therefore `interval` tokens long (a multiple of
+the SSD chunk size and of the KV page size), and a match is the deepest node on the prompt's path
+that owns a snapshot slot. Every node carries the KV pages of its block.
+
+Invariants (checked by `check_integrity`)
+| what                 | rule                                                                 |
+|----------------------|----------------------------------------------------------------------|
+| node.pages           | exactly interval / page_size pages; the tree holds one reference     |
+| node.slot            | -1 or a state slot owned by the tree alone, holding the state after  |
+|                      | the node's whole path                                                |
+| node.lock            | number of running requests whose hit path contains the node; locked  |
+|                      | nodes are never evicted                                              |
+| eviction             | LRU: an unlocked leaf is removed (slot freed, pages released); an    |
+|                      | unlocked inner node can lose its slot; paths stay contiguous         |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mambaserve.cache.kv_pool import KVPool
+from mambaserve.cache.state_pool import StatePool
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]
+    parent: Node | None
+    depth: int  # blocks from the root
+    pages: list[int] = field(default_factory=list)
+    slot: int = -1
+    lock: int = 0
+    last_access: int = 0
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+
+
+@dataclass
+class Match:
+    path: list[Node]  # nodes matching the prompt's leading blocks, root excluded
+    hit_depth: int  # blocks up to the deepest node with a snapshot (0 = miss)
+
+    @property
+    def hit_node(self) -> Node | None:
+        return self.path[self.hit_depth - 1] if self.hit_depth else None
+
+
+class PrefixCache:
+    def __init__(self, interval: int, state_pool: StatePool, kv_pool: KVPool) -> None:
+        if interval % kv_pool.page_size:
+            raise ValueError(f"mamba_snapshot_interval={interval} must be a multiple of the KV "
+                             f"page size {kv_pool.page_size}")
+        self.interval, self.state_pool, self.kv_pool = interval, state_pool, kv_pool
+        self.pages_per_block = interval // kv_pool.page_size
+        self.root = Node((), None, 0)
+        self._clock = 0
+        self.metrics = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0,
+                        "evicted_nodes": 0, "evicted_snapshots": 0, "inserted_snapshots": 0}
+
+    # ---- lookup ----------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def match(self, tokens: list[int], max_len: int) -> Match:
+        """Longest block path of `tokens[:max_len]` in the tree; the hit is its deepest node
+        with a snapshot."""
+        node, path, hit = self.root, [], 0
+        now = self._tick()
+        for d in range(max_len // self.interval):
+            child = node.children.get(tuple(tokens[d * self.interval:(d + 1) * self.interval]))
+            if child is None:
+                break
+            child.last_access = now
+            path.append(child)
+            if child.slot >= 0:
+                hit = d + 1
+            node = child
+        return Match(path, hit)
+
+    def record_query(self, num_tokens: int, hit_tokens: int) -> None:
+        m = self.metrics
+        m["queries"] += 1
+        m["query_tokens"] += num_tokens
+        m["hits"] += hit_tokens > 0
+        m["hit_tokens"] += hit_tokens
+
+    def lock(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            n.lock += 1
+
+    def unlock(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            if n.lock <= 0:
+                raise RuntimeError("unlocking a node that is not locked")
+            n.lock -= 1
+
+    def path_pages(self, nodes: list[Node]) -> list[int]:
+        return [p for n in nodes for p in n.pages]
+
+    # ---- insertion -------------------------------------------------------------------------
+    def insert(self, tokens: list[int], pages: list[int], slot: int) -> Node:
+        """Add the blocks of `tokens` (a whole number of blocks) with the request's KV `pages`
+        (covering at least those tokens); hand `slot` (the state after all of `tokens`, or -1)
+        to the last node. A slot the tree already has a snapshot for is freed. Returns the
+        last node."""
+        n_blocks = len(tokens) // self.interval
+        if n_blocks * self.interval != len(tokens) or n_blocks == 0:
+            raise ValueError("insert takes a positive whole number of blocks")
+        node, now = self.root, self._tick()
+        for d in range(n_blocks):
+            key = tuple(tokens[d * self.interval:(d + 1) * self.interval])
+            child = node.children.get(key)
+            if child is None:
+                block_pages = pages[d * self.pages_per_block:(d + 1) * self.pages_per_block]
+                self.kv_pool.retain(block_pages)
+                child = Node(key, node, d + 1, pages=list(block_pages))
+                node.children[key] = child
+            child.last_access = now
+            node = child
+        if slot >= 0:
+            if node.slot < 0:
+                node.slot = slot
+                self.metrics["inserted_snapshots"] += 1
+            else:
+                self.state_pool.free(slot)
+        return node
+
+    # ---- eviction --------------------------------------------------------------------------
+    def nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def evict(self, slots: int = 0, pages: int = 0) -> bool:
+        """Free cached entries, least recently used first, until `slots` state slots and `pages`
+        KV pages are free. Returns whether that was reached."""
+        def enough() -> bool:
+            return self.state_pool.num_free >= slots and self.kv_pool.num_free >= pages
+
+        while not enough():
+            need_pages = self.kv_pool.num_free < pages
+            candidates = [n for n in self.nodes() if n.lock == 0 and (
+                not n.children or (n.slot >= 0 and not need_pages))]
+            if not candidates:
+                return False
+            victim = min(candidates, key=lambda n: n.last_access)
+            if victim.slot >= 0:
+                self.state_pool.free(victim.slot)
+                victim.slot = -1
+                self.metrics["evicted_snapshots"] += 1
+            if not victim.children:
+                self.kv_pool.release(victim.pages)
+                del victim.parent.children[victim.key]
+                self.metrics["evicted_nodes"] += 1
+        return True
+
+    # ---- introspection ---------------------------------------------------------------------
+    @property
+    def num_snapshots(self) -> int:
+        return sum(1 for n in self.nodes() if n.slot >= 0)
+
+    def stats(self) -> dict:
+        m = dict(self.metrics)
+        m["token_hit_rate"] = m["hit_tokens"] / m["query_tokens"] if m["query_tokens"] else 0.0
+        m["request_hit_rate"] = m["hits"] / m["queries"] if m["queries"] else 0.0
+        m["snapshots"] = self.num_snapshots
+        m["snapshot_bytes"] = m["snapshots"] * self.state_pool.bytes_per_slot_actual
+        m["nodes"] = len(self.nodes())
+        return m
+
+    def check_integrity(self, request_pages: list[list[int]], request_slots: list[int],
+                        request_paths: list[list[Node]]) -> None:
+        """Raise AssertionError unless every page reference, slot and lock is accounted for."""
+        nodes = self.nodes()
+        refs = [0] * self.kv_pool.num_pages
+        for n in nodes:
+            assert len(n.pages) == self.pages_per_block, "node without a whole block of pages"
+            assert n.parent is not None and n.parent.children.get(n.key) is n, "broken tree link"
+            for p in n.pages:
+                refs[p] += 1
+        for pages in request_pages:
+            for p in pages:
+                refs[p] += 1
+        assert refs == self.kv_pool.ref_count, "page reference counts do not add up"
+        free_pages = set(self.kv_pool._free)
+        assert len(free_pages) == len(self.kv_pool._free), "page freed twice"
+        assert free_pages == {p for p, c in enumerate(refs) if c == 0}, "leaked or lost pages"
+        used = [n.slot for n in nodes if n.slot >= 0] + list(request_slots)
+        assert len(used) == len(set(used)), "a state slot has two owners"
+        free_slots = self.state_pool._free
+        assert len(free_slots) == len(set(free_slots)), "slot freed twice"
+        assert set(used).isdisjoint(free_slots), "a slot in use is also free"
+        assert len(used) + len(free_slots) == self.state_pool.num_slots, "leaked state slots"
+        locks: dict[int, int] = {}
+        for path in request_paths:
+            for n in path:
+                locks[id(n)] = locks.get(id(n), 0) + 1
+        for n in nodes:
+            assert n.lock == locks.get(id(n), 0), "lock count does not match running requests"

@@ -1,0 +1,117 @@
+"""Which states the prefix cache snapshots, and when a request reuses one.
+
+Policy (every position is a multiple of the snapshot interval I):
+- Hit: on admission a request restores the deepest snapshot on its prompt's path in the tree,
+  at most at prompt_len - 1 (one token must run to produce logits), and shares the KV pages of
+  every block up to it. Its matched path is locked until it finishes.
+- Divergence snapshot: if the prompt matches tree blocks deeper than its hit (another request
+  went there, but no snapshot exists at the end of the shared part), the request snapshots the
+  end of the deepest matched block while prefilling and hands it to that node at once. This is
+  how a shared system prompt that ends mid-way gets a snapshot the next request hits.
+- Latest snapshot: each request keeps one private slot with its state at the last multiple of I
+  it has passed (in prefill or decode), overwritten as it goes. When the request ends, its blocks
+  up to that position enter the tree with the slot (no copy). This is what a follow-up turn
+  (old prompt + output + new text) hits: everything up to the last multiple of I <= L - 1 of the
+  old conversation of L tokens (the last sampled token is never fed, so its state never exists).
+Snapshots are taken only when a slot is free or can be freed by evicting cached entries; they
+are an optimization and never make a request wait.
+"""
+
+from __future__ import annotations
+
+from mambaserve.cache.radix_cache import Node, PrefixCache
+from mambaserve.engine.request import Request
+
+
+class SnapshotPolicy:
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        self.interval = cache.interval
+        self.state_pool, self.kv_pool = cache.state_pool, cache.kv_pool
+
+    # ---- admission -------------------------------------------------------------------------
+    def match(self, req: Request) -> tuple[list[Node], int]:
+        """The matched path (to lock) and the hit length in tokens."""
+        m = self.cache.match(req.prompt_token_ids, req.prompt_len - 1)
+        return m.path, m.hit_depth * self.interval
+
+    def admit(self, req: Request, path: list[Node], hit_len: int, new_pages: list[int]) -> None:
+        """Called once the live slot and the new pages are allocated."""
+        hit_nodes = path[: hit_len // self.interval]
+        shared = self.cache.path_pages(hit_nodes)
+        self.kv_pool.retain(shared)
+        req.pages = shared + new_pages
+        req.cache_path = path
+        self.cache.lock(path)
+        req.num_computed = req.num_cached_tokens = hit_len
+        req.restore_from = hit_nodes[-1].slot if hit_nodes else -1
+        deepest = path[-1] if path else None
+        if deepest is not None and deepest.depth * self.interval > hit_len and deepest.slot < 0:
+            req.divergence_pos = deepest.depth * self.interval
+        self.cache.record_query(req.prompt_len, hit_len)
+
+    def pages_shared(self, path: list[Node], hit_len: int) -> int:
+        return (hit_len // self.interval) * self.cache.pages_per_block
+
+    def make_room(self, path: list[Node], slots: int, pages: int) -> bool:
+        """Evict cached entries (never the request's own matched path) until it fits."""
+        self.cache.lock(path)
+        try:
+            return self.cache.evict(slots=slots, pages=pages)
+        finally:
+            self.cache.unlock(path)
+
+    # ---- per forward -----------------------------------------------------------------------
+    def _slot(self) -> int:
+        if self.state_pool.num_free == 0:
+            self.cache.evict(slots=1)
+        return self.state_pool.allocate() if self.state_pool.num_free else -1
+
+    def snapshots_for(self, req: Request, start: int, num_tokens: int,
+                      is_decode: bool) -> list[tuple[int, int]]:
+        """(position, destination slot) pairs to save while this row runs."""
+        I = self.interval
+        end = start + num_tokens  # the row's state after the forward is at position `end`
+        boundaries = [p for p in range((start // I + 1) * I, end + 1, I)]
+        if not boundaries:
+            return []
+        out: list[tuple[int, int]] = []
+        if not is_decode and req.divergence_pos in boundaries:
+            slot = self._slot()
+            if slot >= 0:
+                out.append((req.divergence_pos, slot))
+                req.divergence_slot = slot
+        last = boundaries[-1]
+        if last != req.divergence_pos or is_decode:
+            if req.pending_slot < 0:
+                req.pending_slot = self._slot()
+            if req.pending_slot >= 0:
+                out.append((last, req.pending_slot))
+                req.pending_target = last
+        return out
+
+    def after_forward(self, req: Request) -> None:
+        """The forward that wrote this request's snapshots has run."""
+        if req.divergence_slot >= 0:
+            self.cache.insert(req.all_token_ids[: req.divergence_pos], req.pages,
+                              req.divergence_slot)
+            req.divergence_slot, req.divergence_pos = -1, -1
+        if req.pending_target > 0:
+            req.pending_pos, req.pending_target = req.pending_target, 0
+
+    # ---- end -------------------------------------------------------------------------------
+    def release(self, req: Request) -> None:
+        """The request ended: its latest snapshot and blocks enter the tree; unlock its path."""
+        if req.pending_slot >= 0:
+            if req.pending_pos > 0:
+                self.cache.insert(req.all_token_ids[: req.pending_pos], req.pages,
+                                  req.pending_slot)
+            else:
+                self.state_pool.free(req.pending_slot)
+            req.pending_slot, req.pending_pos = -1, 0
+        if req.divergence_slot >= 0:  # reserved but its forward never ran
+            self.state_pool.free(req.divergence_slot)
+            req.divergence_slot = -1
+        if req.cache_path:
+            self.cache.unlock(req.cache_path)
+            req.cache_path = []

@@ -1,0 +1,40 @@
+"""Prefix-cache snapshots written during the forward, per Mamba layer, into slots the scheduler
+reserved. Fixed shapes only: destination -1 goes to the scratch slot (a CUDA-graph-safe no-op).
+
+Prefill: the SSM state at a snapshot position is the end state of the chunk that ends there
+(`chunk_end_states` of the scan); the conv state is the K-1 xBC inputs before that position,
+gathered from the extended stream BEFORE the conv op overwrites the row's window.
+Decode: the row's state after its token, copied from its live slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mambaserve.ops.conv1d import extended_stream, safe_slots
+
+
+def save_prefill_conv_snapshots(x: torch.Tensor, conv_state: torch.Tensor,
+                                state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                                snap_conv_idx: torch.Tensor, snap_dst: torch.Tensor) -> None:
+    """x: [Tp, conv_dim] xBC of the prefill rows; snap_conv_idx: [S, K-1]; snap_dst: [S]."""
+    ext = extended_stream(x, conv_state, state_slots, has_initial_state)
+    dst = safe_slots(snap_dst, conv_state.shape[0])
+    conv_state.index_copy_(0, dst, ext[snap_conv_idx].to(conv_state.dtype))
+
+
+def save_prefill_ssm_snapshots(ssm_state: torch.Tensor, chunk_end_states: torch.Tensor,
+                               snap_chunk: torch.Tensor, snap_dst: torch.Tensor) -> None:
+    """chunk_end_states: [num_chunks, H, P, N] float32; snap_chunk, snap_dst: [S]."""
+    dst = safe_slots(snap_dst, ssm_state.shape[0])
+    ssm_state.index_copy_(0, dst, chunk_end_states.index_select(0, snap_chunk)
+                          .to(ssm_state.dtype))
+
+
+def save_decode_snapshots(conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                          state_slots: torch.Tensor, snap_dst: torch.Tensor) -> None:
+    """Copy each decode row's state (after this step) to snap_dst[row] (-1: none)."""
+    src = safe_slots(state_slots, conv_state.shape[0])
+    dst = safe_slots(snap_dst, conv_state.shape[0])
+    conv_state.index_copy_(0, dst, conv_state.index_select(0, src))
+    ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
