@@ -16,12 +16,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--mamba-ssm-dtype", default="float32")
+    p.add_argument("--memory-budget-gb", type=float, default=None,
+                   help="bytes for the state + KV pools (default: from free device memory)")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--mamba-snapshot-interval", type=int, default=None,
+                   help="prefix-cache snapshot spacing in tokens (multiple of the chunk size)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
+    budget = None if a.memory_budget_gb is None else int(a.memory_budget_gb * 2**30)
     return dict(dtype=a.dtype, device=a.device, max_num_seqs=a.max_num_seqs,
                 chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
-                mamba_ssm_dtype=a.mamba_ssm_dtype)
+                mamba_ssm_dtype=a.mamba_ssm_dtype, memory_budget_bytes=budget,
+                enable_prefix_caching=a.enable_prefix_caching,
+                mamba_snapshot_interval=a.mamba_snapshot_interval)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ Scenario kinds (classified from each forward's batch):
   continuation  a prefill row continuing from its state (chunked prefill / cache hit)
   mixed         prefill rows and decode rows in one forward
   decode        decode rows only
+  prefix-hit    a row restores a cached snapshot before the first layer (prefix caching on)
+  snapshot      a row saves a prefix-cache snapshot during the forward (prefix caching on)
 A step's only sync should be the read-back of sampled tokens (section "readback").
 """
 
@@ -24,6 +26,7 @@ from mambaserve.engine.scheduler import ScheduledBatch
 from mambaserve.tools.sync_audit import CPU_ONLY_ALLOWED, AllowedSync, SyncAudit
 
 SCENARIOS = ("prefill", "continuation", "mixed", "decode")
+CACHE_SCENARIOS = ("prefix-hit", "snapshot")
 ENGINE_ALLOWED = [AllowedSync(
     "mambaserve/engine/runner.py", "_as_numpy",
     reason="numpy() of the tensor `.cpu()` just copied to the host: no device read on CUDA")]
@@ -46,14 +49,21 @@ class ScenarioResult:
             self.step_syncs == self.readback_syncs == self.expected_readbacks
 
 
-def classify(batch: ScheduledBatch) -> str:
+def classify(batch: ScheduledBatch) -> list[str]:
+    """Every scenario a forward belongs to: its shape, plus the prefix-cache work it does."""
     if batch.prefills and batch.decodes:
-        return "mixed"
-    if batch.decodes:
-        return "decode"
-    if any(r.start > 0 for r in batch.prefills):
-        return "continuation"
-    return "prefill"
+        tags = ["mixed"]
+    elif batch.decodes:
+        tags = ["decode"]
+    elif any(r.start > 0 and r.restore_from < 0 for r in batch.prefills):
+        tags = ["continuation"]
+    else:
+        tags = ["prefill"]
+    if any(r.restore_from >= 0 for r in batch.rows):
+        tags.append("prefix-hit")
+    if any(r.snapshots for r in batch.rows):
+        tags.append("snapshot")
+    return tags
 
 
 _KIND = re.compile(r"\((\w+)\)$")
@@ -70,7 +80,8 @@ def layer_kind(module_label: str | None, model: torch.nn.Module) -> str:
 
 def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
     """Drive a workload that produces every scenario kind; audit each step."""
-    results = {k: ScenarioResult() for k in SCENARIOS}
+    cached = engine.prefix_cache is not None
+    results = {k: ScenarioResult() for k in SCENARIOS + (CACHE_SCENARIOS if cached else ())}
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -84,10 +95,14 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
     # a and c join while b decodes (mixed forwards); the tail is decode-only
     plan = [("b", prompt(2 * budget + 3), 0), ("a", prompt(max(2, budget // 2)), 3),
             ("c", prompt(3), 5)]
+    if cached:  # after b finished: two requests extending b's prompt hit its snapshots
+        long = plan[0][1]["prompt_token_ids"]
+        plan += [("h1", {"prompt_token_ids": long + prompt(5)["prompt_token_ids"]}, 20),
+                 ("h2", {"prompt_token_ids": long + prompt(9)["prompt_token_ids"]}, 21)]
     current: dict[str, str] = {}
 
     def on_forward(batch: ScheduledBatch, meta) -> None:
-        current["kind"] = classify(batch)
+        current["kinds"] = classify(batch)
         current["readback"] = any(r.samples or r.request.params.prompt_logprobs is not None
                                   for r in batch.rows)
 
@@ -95,7 +110,8 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
     allow = ENGINE_ALLOWED + CPU_ONLY_ALLOWED
     step = 0
     try:
-        while step == 0 or engine.has_unfinished_requests():
+        last_add = max(at for _, _, at in plan)
+        while step <= last_add or engine.has_unfinished_requests():
             for rid, p, at in plan:
                 if at == step:
                     engine.add_request(rid, p, params)
@@ -105,19 +121,21 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
                 outs = engine.step()
             engine.runner.section = lambda label: __import__("contextlib").nullcontext()
             step += 1
-            if not outs and "kind" not in current:
+            if "kinds" not in current:
                 continue
-            r = results[current.pop("kind")]
-            r.forwards += 1
-            r.expected_readbacks += int(current.pop("readback"))
-            r.forward_syncs += audit.count(section="forward")
-            r.sampler_syncs += audit.count(section="sampler")
-            r.readback_syncs += audit.count(section="readback")
-            r.step_syncs += len(audit.events)
-            for e in audit.events:
-                if e.section == "forward":
-                    r.by_layer_kind[layer_kind(e.module, engine.model)] += 1
-                r.sites[f"[{e.section}] {e.op} at {e.site}"] += 1
+            readback = int(current.pop("readback"))
+            for kind in current.pop("kinds"):
+                r = results[kind]
+                r.forwards += 1
+                r.expected_readbacks += readback
+                r.forward_syncs += audit.count(section="forward")
+                r.sampler_syncs += audit.count(section="sampler")
+                r.readback_syncs += audit.count(section="readback")
+                r.step_syncs += len(audit.events)
+                for e in audit.events:
+                    if e.section == "forward":
+                        r.by_layer_kind[layer_kind(e.module, engine.model)] += 1
+                    r.sites[f"[{e.section}] {e.op} at {e.site}"] += 1
     finally:
         engine.runner.on_forward = None
     return results
@@ -145,16 +163,20 @@ def run_cli(args: argparse.Namespace) -> int:
     from mambaserve.config import EngineConfig
     from mambaserve.default_model import default_model_path
 
-    engine = LLMEngine(args.model or default_model_path(), EngineConfig(
-        dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-        chunked_prefill_size=min(args.chunked_prefill_size, 64), max_model_len=args.max_model_len,
-        mamba_ssm_dtype=args.mamba_ssm_dtype))
-    results = run_scenarios(engine)
-    print(format_report(results))
-    if engine.device.type == "cuda":
-        print(cuda_profile_report(engine))
-    missing = [k for k, r in results.items() if not r.forwards]
-    bad = [k for k, r in results.items() if r.forwards and not r.ok]
+    missing, bad = [], []
+    for caching in (False, True):
+        engine = LLMEngine(args.model or default_model_path(), EngineConfig(
+            dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+            chunked_prefill_size=min(args.chunked_prefill_size, 64),
+            max_model_len=args.max_model_len, mamba_ssm_dtype=args.mamba_ssm_dtype,
+            enable_prefix_caching=caching))
+        results = run_scenarios(engine)
+        print(f"== prefix caching {'on' if caching else 'off'} ==")
+        print(format_report(results))
+        if engine.device.type == "cuda":
+            print(cuda_profile_report(engine))
+        missing += [k for k, r in results.items() if not r.forwards]
+        bad += [k for k, r in results.items() if r.forwards and not r.ok]
     if bad or missing:
         print(f"FAIL: syncs in {bad}; scenarios that did not occur: {missing}")
         return 1

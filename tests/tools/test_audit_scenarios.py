@@ -7,7 +7,12 @@ from mambaserve.cli import main
 from mambaserve.config import EngineConfig
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
-from mambaserve.tools.audit_scenarios import SCENARIOS, format_report, run_scenarios
+from mambaserve.tools.audit_scenarios import (
+    CACHE_SCENARIOS,
+    SCENARIOS,
+    format_report,
+    run_scenarios,
+)
 
 
 @pytest.fixture()
@@ -15,10 +20,14 @@ def engine(tiny_ckpt):
     return LLMEngine(tiny_ckpt, EngineConfig(chunked_prefill_size=16, max_num_seqs=4))
 
 
-def test_every_scenario_is_sync_free(engine):
+@pytest.mark.parametrize("caching", [False, True])
+def test_every_scenario_is_sync_free(tiny_ckpt, caching):
+    engine = LLMEngine(tiny_ckpt, EngineConfig(chunked_prefill_size=16, max_num_seqs=4,
+                                               enable_prefix_caching=caching))
     results = run_scenarios(engine)
     report = format_report(results)
-    for name in SCENARIOS:
+    assert set(results) == set(SCENARIOS + (CACHE_SCENARIOS if caching else ()))
+    for name in results:
         r = results[name]
         assert r.forwards > 0, f"scenario {name} did not occur\n{report}"
         assert r.forward_syncs == 0, report

@@ -1,0 +1,110 @@
+"""The block radix tree on its own: match, insert, LRU eviction, locks, integrity checks."""
+
+import pytest
+import torch
+
+from mambaserve.cache.kv_pool import KVPool
+from mambaserve.cache.radix_cache import PrefixCache
+from mambaserve.cache.state_pool import StatePool
+from mambaserve.config import ModelConfig
+
+
+@pytest.fixture()
+def cache(tiny_ckpt):
+    cfg = ModelConfig.from_hf(tiny_ckpt)
+    sp = StatePool(cfg, 6, torch.float32, torch.float32, "cpu")
+    kv = KVPool(cfg, 20, 4, torch.float32, "cpu")
+    return PrefixCache(8, sp, kv)
+
+
+def seq(*blocks):
+    return [t for b in blocks for t in [b] * 8]
+
+
+def owned(cache, n):
+    """A 'request' holding n pages and one slot, as the scheduler would give it."""
+    return cache.kv_pool.allocate(n), cache.state_pool.allocate()
+
+
+def test_match_insert_and_hit_depth(cache):
+    pages, slot = owned(cache, 6)
+    tokens = seq(1, 2, 3)
+    cache.insert(tokens, pages, slot)  # snapshot after 3 blocks
+    cache.kv_pool.release(pages)  # the request ends; the tree keeps its references
+    cache.check_integrity([], [], [])
+    m = cache.match(seq(1, 2, 3, 4), max_len=32)
+    assert len(m.path) == 3 and m.hit_depth == 3 and m.hit_node.slot == slot
+    assert cache.match(seq(1, 2, 3), max_len=23).hit_depth == 0  # must leave a token to run
+    m = cache.match(seq(1, 2, 9), max_len=32)
+    assert len(m.path) == 2 and m.hit_depth == 0
+    assert cache.path_pages(m.path) == pages[:4]
+
+
+def test_second_snapshot_for_same_node_is_freed(cache):
+    pages, slot = owned(cache, 4)
+    cache.insert(seq(1, 2), pages, slot)
+    pages2, slot2 = owned(cache, 4)
+    free_before = cache.state_pool.num_free
+    node = cache.insert(seq(1, 2), pages2, slot2)
+    assert node.slot == slot and cache.state_pool.num_free == free_before + 1
+    cache.kv_pool.release(pages)
+    cache.kv_pool.release(pages2)
+    cache.check_integrity([], [], [])
+    assert cache.kv_pool.num_free == 20 - 4  # the duplicate request pages went back
+
+
+def test_lru_eviction_and_locks(cache):
+    paths = []
+    for b in (1, 2, 3):
+        pages, slot = owned(cache, 2)
+        cache.insert(seq(b), pages, slot)
+        cache.kv_pool.release(pages)
+        paths.append(cache.match(seq(b, 0), 16).path)
+    cache.match(seq(1, 0), 16)  # touch block 1: block 2 is now least recently used
+    cache.lock(paths[1])
+    assert cache.evict(slots=cache.state_pool.num_free + 1)
+    assert sorted(n.key[0] for n in cache.nodes()) == [1, 2]
+    assert cache.match(seq(3, 0), 16).hit_depth == 0  # 3 went (2 is locked, 1 was touched)
+    cache.check_integrity([], [], [paths[1]])
+    assert not cache.evict(slots=cache.state_pool.num_slots)  # locked node stays
+    cache.unlock(paths[1])
+    assert cache.evict(slots=cache.state_pool.num_slots, pages=20)
+    assert cache.nodes() == [] and cache.kv_pool.num_free == 20
+    assert cache.metrics["evicted_nodes"] == 3
+
+
+def test_inner_node_gives_up_only_its_slot(cache):
+    pages, slot = owned(cache, 4)
+    cache.insert(seq(1), pages, slot)
+    slot2 = cache.state_pool.allocate()
+    cache.insert(seq(1, 2), pages, slot2)
+    cache.kv_pool.release(pages)
+    leaf = cache.match(seq(1, 2, 0), 24).path[1]
+    leaf.last_access = 10**9  # the inner node is older
+    assert cache.evict(slots=cache.state_pool.num_free + 1)
+    inner = cache.match(seq(1, 2, 0), 24).path[0]
+    assert inner.slot == -1 and inner.children and len(cache.nodes()) == 2
+    cache.check_integrity([], [], [])
+
+
+def test_integrity_catches_leaks(cache):
+    pages, slot = owned(cache, 2)
+    cache.insert(seq(1), pages, slot)
+    with pytest.raises(AssertionError, match="page reference counts"):
+        cache.check_integrity([], [], [])  # the request's page references are unaccounted
+    cache.check_integrity([pages], [], [])
+    cache.kv_pool.release(pages)
+    leaked = cache.state_pool.allocate()
+    with pytest.raises(AssertionError, match="leaked state slots"):
+        cache.check_integrity([], [], [])
+    cache.check_integrity([], [leaked], [])
+    with pytest.raises(AssertionError, match="two owners"):
+        cache.check_integrity([], [leaked, slot], [])
+
+
+def test_interval_must_hold_whole_pages(tiny_ckpt):
+    cfg = ModelConfig.from_hf(tiny_ckpt)
+    sp = StatePool(cfg, 2, torch.float32, torch.float32, "cpu")
+    kv = KVPool(cfg, 4, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="multiple of the KV page size"):
+        PrefixCache(8, sp, kv)

@@ -1,0 +1,168 @@
+"""Prefix caching for hybrid models: identical outputs with the cache on and off, hits where the
+policy promises them, integrity after every step, eviction under memory pressure."""
+
+import random
+
+import pytest
+import torch
+
+from mambaserve import LLM, SamplingParams
+from mambaserve.cache.kv_pool import KVPool
+from mambaserve.cache.state_pool import StatePool
+
+I = 16  # default interval of the tiny model: lcm(chunk_size 8, page_size 16)
+
+
+def toks(n, seed):
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_checked(llm: LLM, prompts, params):
+    """generate() step by step, checking the engine's integrity after every step."""
+    eng = llm.engine
+    ids = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        rid = f"q{llm._next_id}-{i}"
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+        ids.append(rid)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        eng.check_integrity()
+    llm._next_id += 1
+    return [done[r] for r in ids]
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for dx, dy, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs,
+                             x.outputs[0].token_ids):
+            assert abs(dx[t] - dy[t]) < 1e-4
+
+
+def engines(**kw):
+    return (lambda ck: LLM(ck, enable_prefix_caching=True, **kw),
+            lambda ck: LLM(ck, **kw))
+
+
+@pytest.fixture()
+def pair(tiny_ckpt):
+    on, off = engines(chunked_prefill_size=24, max_num_seqs=4)
+    return on(tiny_ckpt), off(tiny_ckpt)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, logprobs=1)
+
+
+def test_multi_turn_reuses_up_to_last_snapshot(pair):
+    on, off = pair
+    conv = toks(23, 1)
+    for turn in range(4):
+        a = run_checked(on, [conv], [GREEDY])[0]
+        b = run_checked(off, [conv], [GREEDY])[0]
+        assert_same([a], [b])
+        if turn == 0:
+            assert a.num_cached_tokens == 0
+        else:  # the last multiple of I <= old length - 1 (the last token is never fed)
+            assert a.num_cached_tokens == (old_len - 1) // I * I
+        assert b.num_cached_tokens == 0
+        old_len = len(conv) + len(a.outputs[0].token_ids)
+        conv = conv + a.outputs[0].token_ids + toks(7 + turn, 10 + turn)
+    stats = on.engine.cache_stats()
+    assert stats["hits"] == 3 and stats["queries"] == 4
+
+
+def test_shared_system_prompt_learns_a_divergence_snapshot(pair):
+    on, off = pair
+    system = toks(37, 2)  # ends mid-block: the shared part is 2 blocks (32 tokens)
+    users = [toks(n, 20 + n) for n in (9, 14, 5, 30)]
+    hits = []
+    for u in users:
+        a = run_checked(on, [system + u], [GREEDY])[0]
+        b = run_checked(off, [system + u], [GREEDY])[0]
+        assert_same([a], [b])
+        hits.append(a.num_cached_tokens)
+    # 1st: nothing cached; 2nd: finds the blocks of the 1st but no snapshot inside the shared
+    # part, so it snapshots the divergence point; 3rd and 4th hit there
+    assert hits == [0, 0, 32, 32]
+    # sampled logprobs too, with a seed
+    sp = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True, logprobs=2)
+    a = run_checked(on, [system + users[0]], [sp])[0]
+    b = run_checked(off, [system + users[0]], [sp])[0]
+    assert a.num_cached_tokens >= 32
+    assert_same([a], [b])
+
+
+def test_concurrent_batches_with_shared_prefixes(pair):
+    """Random shared-prefix workload, several requests in flight per step (mixed batches)."""
+    on, off = pair
+    rng = random.Random(0)
+    prefixes = [toks(n, 100 + n) for n in (20, 33, 48)]
+    for round_ in range(3):
+        prompts, params = [], []
+        for i in range(6):
+            p = rng.choice(prefixes) + toks(rng.randint(1, 25), 1000 * round_ + i)
+            prompts.append(p)
+            params.append(SamplingParams(temperature=rng.choice([0, 0.7]), seed=i,
+                                         max_tokens=rng.randint(3, 20), ignore_eos=True,
+                                         logprobs=1))
+        a = run_checked(on, prompts, params)
+        b = run_checked(off, prompts, params)
+        assert_same(a, b)
+    stats = on.engine.cache_stats()
+    assert stats["hit_tokens"] > 0 and stats["snapshots"] > 0
+    assert on.engine.stats["mixed_steps"] > 0
+
+
+def test_eviction_under_a_small_budget(tiny_ckpt):
+    probe = LLM(tiny_ckpt, max_num_seqs=1).engine
+    slot_b = StatePool.bytes_per_slot(probe.model_config, probe.dtype, probe.ssm_dtype)
+    page_b = KVPool.bytes_per_page(probe.model_config, 16, probe.dtype)
+    budget = 2 * 6 * slot_b  # 6 slots for up to 2 running requests and their snapshots
+    on = LLM(tiny_ckpt, enable_prefix_caching=True, memory_budget_bytes=budget,
+             max_num_seqs=2, max_model_len=128, chunked_prefill_size=24)
+    off = LLM(tiny_ckpt, max_num_seqs=2, max_model_len=128, chunked_prefill_size=24)
+    assert on.engine.state_pool.num_slots == 6
+    assert on.engine.kv_pool.num_pages * page_b <= budget
+    rng = random.Random(1)
+    prefixes = [toks(n, 200 + n) for n in (17, 34, 40, 51)]
+    for round_ in range(4):
+        prompts = [rng.choice(prefixes) + toks(rng.randint(1, 12), 50 * round_ + i)
+                   for i in range(5)]
+        params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 16), ignore_eos=True,
+                                 logprobs=1) for _ in prompts]
+        assert_same(run_checked(on, prompts, params), run_checked(off, prompts, params))
+    stats = on.engine.cache_stats()
+    assert stats["evicted_snapshots"] > 0 and stats["hit_tokens"] > 0
+    # with everything finished, only the tree holds slots and pages
+    on.engine.prefix_cache.evict(slots=on.engine.state_pool.num_slots,
+                                 pages=on.engine.kv_pool.num_pages)
+    assert on.engine.state_pool.num_free == on.engine.state_pool.num_slots
+    assert on.engine.kv_pool.num_free == on.engine.kv_pool.num_pages
+
+
+def test_abort_keeps_the_cache_consistent(tiny_ckpt):
+    on = LLM(tiny_ckpt, enable_prefix_caching=True, chunked_prefill_size=16, max_num_seqs=3)
+    eng = on.engine
+    base = toks(40, 3)
+    run_checked(on, [base], [GREEDY])
+    for i in range(3):
+        eng.add_request(f"a{i}", {"prompt_token_ids": base + toks(20, 30 + i)},
+                        SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+        eng.check_integrity()
+    for i in range(3):
+        eng.abort_request(f"a{i}")
+        eng.check_integrity()
+    assert not eng.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("interval, match", [(12, "multiple of the model's SSD chunk size"),
+                                             (8, "multiple of the KV page size")])
+def test_bad_snapshot_interval(tiny_ckpt, interval, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_ckpt, enable_prefix_caching=True, mamba_snapshot_interval=interval)
