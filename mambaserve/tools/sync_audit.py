@@ -68,9 +68,10 @@ _ALWAYS_SYNC = {
     _aten._local_scalar_dense, _aten.nonzero, _aten.masked_select, _aten._unique,
     _aten._unique2, _aten.unique_dim, _aten.unique_consecutive, _aten.unique_dim_consecutive,
     _aten.equal, _aten.allclose, _aten.bincount,
-    # under torch.inference_mode() `.item()` and `bool(t)` dispatch these (not yet decomposed)
+    # Composite: reach the mode whole only where there is no C++ kernel (see _DispatchMode).
     _aten.item, _aten.is_nonzero,
 }
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 _INDEX_OPS = {_aten.index, _aten.index_put_, _aten.index_put, _aten._index_put_impl_}
 
 # Function-level calls that would copy device memory to the host.
@@ -222,6 +223,13 @@ class _FunctionMode(_AuditMode, TorchFunctionMode):
 class _DispatchMode(_AuditMode, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # Under torch.inference_mode() composite ops arrive whole (item, is_nonzero, where(c),
+        # argwhere, narrow(t), ...): run their C++ composite kernel under this mode, as autograd
+        # would, so the syncing ops inside are seen and named the same in every grad mode. (Not
+        # func.decompose: it prefers Python refs, which can read host tensors that C++ does not.)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
+            with self:
+                return func._op_dk(_COMPOSITE, *args, **kwargs)
         op = None if self.audit._busy else _dispatch_op(func, args, kwargs)
         if not op:
             return func(*args, **kwargs)

@@ -31,6 +31,7 @@ SYNC_CASES = {
     "s_list_index": "_local_scalar_dense",
     "s_tensor_index": "_local_scalar_dense",
     "s_arange": "_local_scalar_dense",
+    "s_narrow_tensor": "_local_scalar_dense",
     "s_contains": "_local_scalar_dense",
     "s_nonzero": "nonzero",
     "s_where1": "nonzero",
@@ -67,7 +68,7 @@ FREE_CASES = [
     "f_matmul", "f_index_select", "f_long_index", "f_repeat_interleave_output_size",
     "f_repeat_interleave_int", "f_nonzero_static", "f_where3", "f_to_dtype", "f_copy",
     "f_masked_fill", "f_mask_setitem_number", "f_host_ints", "f_histc_range", "f_slicing",
-    "f_sdpa", "f_scan_ops", "f_empty_tensor_on_device",
+    "f_sdpa", "f_scan_ops", "f_empty_tensor_on_device", "f_tensor_split_host_indices",
 ]
 CUDA_UNSUPPORTED = {"s_numpy", "s_np_asarray"}  # these raise on a CUDA tensor
 
@@ -107,6 +108,9 @@ class Mixer(nn.Module):
 
     def s_arange(self, x):
         return torch.arange((x[0] * 0 + 3).long())  # SYNC s_arange
+
+    def s_narrow_tensor(self, x):
+        return x.narrow(0, (x[0] * 0 + 1).long(), 2)  # SYNC s_narrow_tensor
 
     def s_contains(self, x):
         return 0.5 in x  # SYNC s_contains
@@ -263,6 +267,12 @@ class Mixer(nn.Module):
         return torch.tensor([], device=x.device), x.new_tensor([[], []])
 
 
+    def f_tensor_split_host_indices(self, x):
+        # The indices must be a host tensor: reading them is no device sync (not even under
+        # inference_mode, where torch's Python ref would call .tolist() on them).
+        return torch.tensor_split(x, torch.tensor([2, 5]))
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -311,9 +321,16 @@ def x() -> torch.Tensor:
     return torch.tensor([0.5, -1.0, 2.0, -3.0, 0.5, 6.0, -7.0, 8.0])
 
 
-def _run(toy: Toy, x: torch.Tensor, case: str, **audit_kwargs) -> SyncAudit:
+# The engine runs forwards under inference_mode, where composite ops (item, is_nonzero,
+# where(c), ...) reach the dispatch mode whole instead of decomposed: every case runs in all three.
+GRAD_MODES = {
+    "grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+}
+
+
+def _run(toy: Toy, x: torch.Tensor, case: str, grad_mode: str = "grad", **audit_kwargs):
     toy.layers[1].mixer.case = case
-    with SyncAudit(**audit_kwargs) as audit:
+    with GRAD_MODES[grad_mode](), SyncAudit(**audit_kwargs) as audit:
         toy(x)
     return audit
 
@@ -325,9 +342,10 @@ def test_marker_lines_are_unique_and_cover_every_case():
     assert len(set(lines)) == len(lines)
 
 
+@pytest.mark.parametrize("grad_mode", list(GRAD_MODES))
 @pytest.mark.parametrize("case", list(SYNC_CASES))
-def test_each_sync_is_caught_once_at_its_line(toy, x, case):
-    audit = _run(toy, x, case, root=toy)
+def test_each_sync_is_caught_once_at_its_line(toy, x, case, grad_mode):
+    audit = _run(toy, x, case, grad_mode, root=toy)
     assert len(audit.events) == 1, audit.report()
     event = audit.events[0]
     assert event.op == SYNC_CASES[case]
@@ -339,9 +357,10 @@ def test_each_sync_is_caught_once_at_its_line(toy, x, case):
     assert audit.allowed == []
 
 
+@pytest.mark.parametrize("grad_mode", list(GRAD_MODES))
 @pytest.mark.parametrize("case", FREE_CASES)
-def test_non_syncing_code_counts_zero(toy, x, case):
-    audit = _run(toy, x, case, root=toy)
+def test_non_syncing_code_counts_zero(toy, x, case, grad_mode):
+    audit = _run(toy, x, case, grad_mode, root=toy)
     assert audit.events == [], audit.report()
     assert audit.count() == 0
 
@@ -471,22 +490,21 @@ def test_cpu_verdicts_agree_with_cuda_profiler(toy, x):
         torch.cuda.synchronize()
         got = profile_cuda_syncs(toy, x)
         synced = got.host_waits + got.d2h_copies > 0
-        audited = [e.op for e in _run(toy, x, case).events]
+        audited = {m: [e.op for e in _run(toy, x, case, m).events] for m in GRAD_MODES}
         expected = [SYNC_CASES[case]] if case in SYNC_CASES else []
-        if synced != (case in SYNC_CASES) or audited != expected:
+        if synced != (case in SYNC_CASES) or any(ops != expected for ops in audited.values()):
             disagree[case] = (got.counts, audited)
     assert disagree == {}
 
 
 def test_syncs_are_caught_under_inference_mode():
     """The engine runs forwards under torch.inference_mode(), where `.item()` and `bool(t)`
-    dispatch aten.item / aten.is_nonzero instead of _local_scalar_dense."""
+    dispatch aten.item / aten.is_nonzero whole; the audit decomposes them like autograd does."""
     x = torch.randn(4)
-    with torch.inference_mode():
-        with SyncAudit() as audit:
-            if x.abs().max() > 1e9:
-                pass
-            x.sum().item()
-            int(x[0])
-            torch.arange(3) + 1  # no sync
-    assert [e.op for e in audit.events] == ["is_nonzero", "item", "item"]
+    with torch.inference_mode(), SyncAudit() as audit:
+        if x.abs().max() > 1e9:
+            pass
+        x.sum().item()
+        int(x[0])
+        torch.arange(3) + 1  # no sync
+    assert [e.op for e in audit.events] == ["_local_scalar_dense"] * 3
