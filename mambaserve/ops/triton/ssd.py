@@ -185,7 +185,8 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
     BLOCK_N = triton.next_power_of_2(N)
     IP = "ieee" if x.dtype == torch.float32 else "tf32"
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    bps = block_p_state or _default_block_p(P)
+    # chunk-state launch: 64-wide P blocks measured 1.28 ms total at 1x8192 vs 1.37 ms for 32
+    bps = block_p_state or min(64, max(16, triton.next_power_of_2(P)))
     bpc = block_p_scan or _default_block_p(P)
 
     _chunk_state_kernel[(triton.cdiv(P, bps), H, num_chunks)](
