@@ -278,7 +278,7 @@ class LLMEngine:
         running = self.scheduler.running
         slots = [r.state_slot for r in running]
         slots += [r.pending_slot for r in running if r.pending_slot >= 0]
-        slots += [r.divergence_slot for r in running if r.divergence_slot >= 0]
+        slots += [s for r in running for s in r.tree_snapshots.values() if s >= 0]
         if self.prefix_cache is None:
             assert len(slots) + self.state_pool.num_free == self.state_pool.num_slots
             assert all(c in (0, 1) for c in self.kv_pool.ref_count)

@@ -40,8 +40,9 @@ class Request:
     # prefix cache (see engine/snapshot_policy.py)
     cache_path: list = field(default_factory=list)  # matched tree nodes, locked while running
     restore_from: int = -1  # cached snapshot slot to copy into the live slot before prefill
-    divergence_pos: int = -1  # end of the deepest matched block without a snapshot
-    divergence_slot: int = -1
+    # snapshots handed to the tree as soon as their forward ran: position -> slot (-1 = not
+    # reserved yet); the divergence point and the prompt's last block end
+    tree_snapshots: dict = field(default_factory=dict)
     pending_slot: int = -1  # private slot with the state at the last interval passed
     pending_pos: int = 0  # position of the state in pending_slot (0 = none yet)
     pending_target: int = 0  # position being written by the forward in flight

@@ -8,6 +8,9 @@ Policy (every position is a multiple of the snapshot interval I):
   went there, but no snapshot exists at the end of the shared part), the request snapshots the
   end of the deepest matched block while prefilling and hands it to that node at once. This is
   how a shared system prompt that ends mid-way gets a snapshot the next request hits.
+- Prompt snapshot: the state at the prompt's last block end that a repeat of the prompt could
+  hit (the last multiple of I <= prompt_len - 1), also handed to the tree as soon as it is
+  written, so identical prompts and few-shot prefixes hit from the second request on.
 - Latest snapshot: each request keeps one private slot with its state at the last multiple of I
   it has passed (in prefill or decode), overwritten as it goes. When the request ends, its blocks
   up to that position enter the tree with the slot (no copy). This is what a follow-up turn
@@ -45,9 +48,14 @@ class SnapshotPolicy:
         self.cache.lock(path)
         req.num_computed = req.num_cached_tokens = hit_len
         req.restore_from = hit_nodes[-1].slot if hit_nodes else -1
+        targets = set()
         deepest = path[-1] if path else None
         if deepest is not None and deepest.depth * self.interval > hit_len and deepest.slot < 0:
-            req.divergence_pos = deepest.depth * self.interval
+            targets.add(deepest.depth * self.interval)  # divergence point
+        prompt_pos = (req.prompt_len - 1) // self.interval * self.interval
+        if prompt_pos > hit_len:
+            targets.add(prompt_pos)
+        req.tree_snapshots = {p: -1 for p in sorted(targets)}
         self.cache.record_query(req.prompt_len, hit_len)
 
     def pages_shared(self, path: list[Node], hit_len: int) -> int:
@@ -76,13 +84,15 @@ class SnapshotPolicy:
         if not boundaries:
             return []
         out: list[tuple[int, int]] = []
-        if not is_decode and req.divergence_pos in boundaries:
-            slot = self._slot()
-            if slot >= 0:
-                out.append((req.divergence_pos, slot))
-                req.divergence_slot = slot
+        if not is_decode:
+            for pos in req.tree_snapshots:
+                if pos in boundaries:
+                    slot = self._slot()
+                    if slot >= 0:
+                        out.append((pos, slot))
+                        req.tree_snapshots[pos] = slot
         last = boundaries[-1]
-        if last != req.divergence_pos or is_decode:
+        if last not in req.tree_snapshots or is_decode:
             if req.pending_slot < 0:
                 req.pending_slot = self._slot()
             if req.pending_slot >= 0:
@@ -92,10 +102,10 @@ class SnapshotPolicy:
 
     def after_forward(self, req: Request) -> None:
         """The forward that wrote this request's snapshots has run."""
-        if req.divergence_slot >= 0:
-            self.cache.insert(req.all_token_ids[: req.divergence_pos], req.pages,
-                              req.divergence_slot)
-            req.divergence_slot, req.divergence_pos = -1, -1
+        for pos, slot in list(req.tree_snapshots.items()):
+            if slot >= 0:
+                self.cache.insert(req.all_token_ids[:pos], req.pages, slot)
+                del req.tree_snapshots[pos]
         if req.pending_target > 0:
             req.pending_pos, req.pending_target = req.pending_target, 0
 
@@ -109,9 +119,10 @@ class SnapshotPolicy:
             else:
                 self.state_pool.free(req.pending_slot)
             req.pending_slot, req.pending_pos = -1, 0
-        if req.divergence_slot >= 0:  # reserved but its forward never ran
-            self.state_pool.free(req.divergence_slot)
-            req.divergence_slot = -1
+        for slot in req.tree_snapshots.values():  # reserved but the forward never ran
+            if slot >= 0:
+                self.state_pool.free(slot)
+        req.tree_snapshots = {}
         if req.cache_path:
             self.cache.unlock(req.cache_path)
             req.cache_path = []

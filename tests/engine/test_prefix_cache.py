@@ -78,7 +78,8 @@ def test_multi_turn_reuses_up_to_last_snapshot(pair):
 def test_shared_system_prompt_learns_a_divergence_snapshot(pair):
     on, off = pair
     system = toks(37, 2)  # ends mid-block: the shared part is 2 blocks (32 tokens)
-    users = [toks(n, 20 + n) for n in (9, 14, 5, 30)]
+    # long user parts: each prompt's own snapshots (prompt end, latest) lie beyond block 2
+    users = [toks(n, 20 + n) for n in (30, 27, 40, 33)]
     hits = []
     for u in users:
         a = run_checked(on, [system + u], [GREEDY])[0]
@@ -94,6 +95,14 @@ def test_shared_system_prompt_learns_a_divergence_snapshot(pair):
     b = run_checked(off, [system + users[0]], [sp])[0]
     assert a.num_cached_tokens >= 32
     assert_same([a], [b])
+
+
+def test_repeated_prompt_hits_its_prompt_snapshot(pair):
+    on, off = pair
+    prompt = toks(45, 7)
+    outs = [run_checked(on, [prompt], [GREEDY])[0] for _ in range(3)]
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32]  # (45 - 1) // 16 * 16
+    assert_same(outs[1:], run_checked(off, [prompt, prompt], [GREEDY, GREEDY]))
 
 
 def test_concurrent_batches_with_shared_prefixes(pair):
