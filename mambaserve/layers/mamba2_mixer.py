@@ -12,12 +12,12 @@ from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
 from mambaserve.ops.selective_state_update import selective_state_update
+from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 from mambaserve.ops.state_snapshot import (
     save_decode_snapshots,
     save_prefill_conv_snapshots,
     save_prefill_ssm_snapshots,
 )
-from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 
 
 class Mamba2Mixer(nn.Module):

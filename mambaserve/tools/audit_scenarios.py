@@ -14,8 +14,9 @@ A step's only sync should be the read-back of sampled tokens (section "readback"
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,12 @@ import torch
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.engine.sampling_params import SamplingParams
 from mambaserve.engine.scheduler import ScheduledBatch
-from mambaserve.tools.sync_audit import CPU_ONLY_ALLOWED, AllowedSync, SyncAudit
+from mambaserve.tools.sync_audit import (
+    CPU_ONLY_ALLOWED,
+    AllowedSync,
+    SyncAudit,
+    profile_cuda_syncs,
+)
 
 SCENARIOS = ("prefill", "continuation", "mixed", "decode")
 CACHE_SCENARIOS = ("prefix-hit", "snapshot")
@@ -118,8 +124,8 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
             audit = SyncAudit(root=engine.model, allow=allow)
             with audit:
                 engine.runner.section = audit.section
-                outs = engine.step()
-            engine.runner.section = lambda label: __import__("contextlib").nullcontext()
+                engine.step()
+            engine.runner.section = lambda label: contextlib.nullcontext()
             step += 1
             if "kinds" not in current:
                 continue
@@ -142,8 +148,9 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
 
 
 def format_report(results: dict[str, ScenarioResult]) -> str:
-    lines = [f"{'scenario':<14}{'forwards':>9}{'syncs/forward':>15}{'sampler':>9}"
-             f"{'syncs/step':>12}{'expected':>10}  verdict"]
+    header = (f"{'scenario':<14}{'forwards':>9}{'syncs/forward':>15}{'sampler':>9}"
+              f"{'syncs/step':>12}{'expected':>10}  verdict")
+    lines = [header]
     for name, r in results.items():
         if not r.forwards:
             lines.append(f"{name:<14}{0:>9}  (scenario did not occur)")
@@ -185,17 +192,22 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def cuda_profile_report(engine: LLMEngine) -> str:
-    """On CUDA, also count the profiler's synchronization / device-to-host copy events."""
-    from mambaserve.tools.sync_audit import profile_cuda_syncs
-
-    counts = defaultdict(int)
+    """On CUDA, count the profiler's host waits (cuda*Synchronize) and device-to-host copies in
+    each engine step of one request: a step that samples should show exactly one of each (the
+    token read-back), a step that does not, none."""
     engine.add_request("profile", {"prompt_token_ids": list(range(3, 40))},
                        SamplingParams(max_tokens=4, ignore_eos=True))
-    steps = 0
-    while engine.has_unfinished_requests():
-        c = profile_cuda_syncs(engine.step)
-        steps += 1
-        for name, n in c.counts.items():
-            counts[name] += n
-    return f"CUDA profiler over {steps} steps: " + ", ".join(
-        f"{k}={v}" for k, v in sorted(counts.items())) + f" (per step: {sum(counts.values()) / steps:.2f})"
+    lines, steps = [], 0
+    sampled = {}
+    engine.runner.on_forward = lambda batch, meta: sampled.__setitem__(
+        "yes", any(r.samples for r in batch.rows))
+    try:
+        while engine.has_unfinished_requests():
+            sampled.clear()
+            c = profile_cuda_syncs(engine.step)
+            steps += 1
+            lines.append(f"    step {steps}: samples={bool(sampled.get('yes'))} "
+                         f"host_waits={c.host_waits} d2h_copies={c.d2h_copies} {c.counts}")
+    finally:
+        engine.runner.on_forward = None
+    return "CUDA profiler, one request step by step:\n" + "\n".join(lines)

@@ -59,7 +59,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, logprobs=
 
 def test_multi_turn_reuses_up_to_last_snapshot(pair):
     on, off = pair
-    conv = toks(23, 1)
+    conv, old_len = toks(23, 1), 0
     for turn in range(4):
         a = run_checked(on, [conv], [GREEDY])[0]
         b = run_checked(off, [conv], [GREEDY])[0]
