@@ -70,6 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     a.set_defaults(func=lambda ns: __import__(
         "mambaserve.tools.audit_scenarios", fromlist=["run_cli"]).run_cli(ns))
 
+    ev = sub.add_parser("eval", help="evaluate through the engine: perplexity | qa")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    pp = ev_sub.add_parser("perplexity", help="perplexity of a text file, windowed")
+    pp.add_argument("file")
+    _engine_args(pp)
+    pp.add_argument("--window", type=int, default=512, help="tokens per non-overlapping window")
+    pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    pp.add_argument("--out", default=None, help="also write the JSON result here")
+    pp.set_defaults(func=lambda ns: __import__(
+        "mambaserve.tools.eval", fromlist=["cli_perplexity"]).cli_perplexity(ns))
+    qa = ev_sub.add_parser("qa", help="few-shot GSM8K-format QA accuracy (JSONL file)")
+    qa.add_argument("file")
+    _engine_args(qa)
+    qa.add_argument("--shots", type=int, default=4, help="first N items as few-shot examples")
+    qa.add_argument("--max-tokens", type=int, default=256)
+    qa.add_argument("--limit", type=int, default=None, help="score at most N questions")
+    qa.add_argument("--out", default=None, help="also write the JSON result here")
+    qa.set_defaults(func=lambda ns: __import__(
+        "mambaserve.tools.eval", fromlist=["cli_qa"]).cli_qa(ns))
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
