@@ -36,6 +36,10 @@ class SnapshotPolicy:
     def match(self, req: Request) -> tuple[list[Node], int]:
         """The matched path (to lock) and the hit length in tokens."""
         m = self.cache.match(req.prompt_token_ids, req.prompt_len - 1)
+        if req.params.prompt_logprobs is not None:
+            # every prompt token's logprob is asked for: compute them all (no hit), but still
+            # lock the path and leave snapshots for later requests
+            return m.path, 0
         return m.path, m.hit_depth * self.interval
 
     def admit(self, req: Request, path: list[Node], hit_len: int, new_pages: list[int]) -> None:

@@ -105,6 +105,19 @@ def test_repeated_prompt_hits_its_prompt_snapshot(pair):
     assert_same(outs[1:], run_checked(off, [prompt, prompt], [GREEDY, GREEDY]))
 
 
+def test_prompt_logprobs_requests_recompute_the_prefix(pair):
+    on, off = pair
+    prompt = toks(45, 8)
+    run_checked(on, [prompt], [GREEDY])  # caches a snapshot at 32
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
+    a = run_checked(on, [prompt], [sp])[0]
+    b = run_checked(off, [prompt], [sp])[0]
+    assert a.num_cached_tokens == 0 and len(a.prompt_logprobs) == len(prompt)
+    for da, db, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], prompt[1:]):
+        assert abs(da[t] - db[t]) < 1e-4
+    assert run_checked(on, [prompt], [GREEDY])[0].num_cached_tokens == 32
+
+
 def test_concurrent_batches_with_shared_prefixes(pair):
     """Random shared-prefix workload, several requests in flight per step (mixed batches)."""
     on, off = pair
