@@ -1,0 +1,503 @@
+"""AsyncEngine: an `LLMEngine` driven by one background thread, for asyncio servers.
+
+The engine is not thread-safe, so exactly one thread (the loop started here) calls
+`add_request`, `step` and `abort_request`. Callers on any asyncio event loop talk to it through a
+command queue (add / abort) and get their outputs back on a per-request asyncio queue, filled
+with `loop.call_soon_threadsafe` (one call per event loop per step).
+
+    engine = AsyncEngine(LLMEngine(path, EngineConfig(...)), max_waiting=256)
+    async for out in engine.generate("ROMEO:", SamplingParams(max_tokens=8), "req-1"):
+        print(out.outputs[0].text)          # cumulative, like LLMEngine.step()
+    engine.shutdown(drain=True)
+
+Errors reach the caller of `add_request` / `generate` as exceptions: `ValueError` for a request
+the engine refuses (nothing is queued), `QueueFullError` when too many requests wait for
+admission, `EngineClosedError` after shutdown began, `EngineStepError` when a forward failed
+(every request in flight fails with it; the loop keeps serving the next ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from mambaserve.engine.llm_engine import LLMEngine
+from mambaserve.engine.outputs import RequestOutput
+from mambaserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("mambaserve.async_engine")
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting for admission (the server answers 429)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down or stopped and takes no new requests (503)."""
+
+
+class EngineStepError(RuntimeError):
+    """A forward failed; the requests in flight at that moment were dropped (503)."""
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    num_prompt_tokens: int = -1  # known at the first output
+    num_tokens: int = 0  # generated so far, all completions together
+    last_token_time: float | None = None
+    done: bool = False
+
+
+@dataclass
+class _Add:
+    items: list[tuple[str, object, SamplingParams]]
+    streams: list[_Stream]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable
+    loop: asyncio.AbstractEventLoop | None
+    future: object  # asyncio.Future (with loop) or concurrent.futures.Future
+
+
+@dataclass
+class EngineSnapshot:
+    """What /metrics and /health read: published by the engine thread, read by anyone."""
+
+    running: int = 0
+    waiting: int = 0
+    state_slots_total: int = 0
+    state_slots_free: int = 0
+    kv_pages_total: int = 0
+    kv_pages_free: int = 0
+    steps: int = 0
+    step_errors: int = 0
+    cache: dict = field(default_factory=dict)
+    time: float = 0.0
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs. Outputs that pile up while the
+    consumer is busy are coalesced: the iterator yields the newest (they are cumulative)."""
+
+    def __init__(self, engine: AsyncEngine, stream: _Stream) -> None:
+        self._engine = engine
+        self._s = stream
+        self.request_id = stream.request_id
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        q = self._s.queue
+        item = await q.get()
+        while not isinstance(item, BaseException) and not item.finished and not q.empty():
+            item = q.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Owns an `LLMEngine` and the one thread that drives it (see the module docstring).
+
+    `max_waiting`: how many sequences (a request with n=4 counts 4) may wait for admission
+    beyond the free places under `max_num_seqs`; a request that would exceed it is refused with
+    `QueueFullError`. None: no limit.
+    `observer`: optional object with `on_first_token(ttft_s)`, `on_prompt(n_tokens)`,
+    `on_tokens(n, gap_s)`, `on_finished(request_output, e2e_s)`, `on_aborted(n_seqs)`,
+    `on_rejected()` and `on_error(n_requests)`, called from the engine thread (the server's
+    metrics); an observer that raises is logged and ignored.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = 256,
+                 observer: object | None = None, publish_interval_s: float = 0.05) -> None:
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.observer = observer
+        self.publish_interval_s = publish_interval_s
+        self._cv = threading.Condition()
+        self._commands: list[object] = []
+        self._streams: dict[str, _Stream] = {}
+        self._accepting = True
+        self._stop = False
+        self._ids = itertools.count()
+        self.step_errors = 0
+        self._last_publish = 0.0
+        self._cache_time = 0.0
+        self.snapshot = EngineSnapshot()
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="mambaserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- properties ------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        """The loop thread is alive and new requests are taken."""
+        return self._thread.is_alive() and self._accepting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- public API (any thread with a running event loop) --------------------------------
+    async def add_request(self, request_id: str | None, prompt,
+                          params: SamplingParams) -> RequestStream:
+        """Queue one request; returns its output stream once the engine accepted it.
+        Raises ValueError / QueueFullError / EngineClosedError (nothing queued then)."""
+        streams = await self.add_requests([(request_id, prompt, params)])
+        return streams[0]
+
+    async def add_requests(self, items: Sequence[tuple[str | None, object, SamplingParams]]
+                           ) -> list[RequestStream]:
+        """Queue several requests atomically: either all are accepted or none is queued."""
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        fixed = [(rid if rid is not None else f"async-{next(self._ids)}", p, sp)
+                 for rid, p, sp in items]
+        streams = [_Stream(rid, loop, asyncio.Queue(), now) for rid, _, _ in fixed]
+        fut = loop.create_future()
+        self._submit(_Add(fixed, streams, loop, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            # the caller went away while the command was queued: undo whatever got added
+            for s in streams:
+                self.abort(s.request_id)
+            raise
+        return [RequestStream(self, s) for s in streams]
+
+    async def generate(self, prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes. Closing the iterator early
+        (or cancelling the task consuming it) aborts the request and frees its resources."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()  # no-op once finished
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once; unknown or finished ids are ignored)."""
+        with self._cv:
+            self._commands.append(_Abort(request_id))
+            self._cv.notify()
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run `fn(engine)` on the engine thread between steps and return its result (for
+        inspection in tests and tools: the engine must not be touched from other threads)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._submit(_Call(fn, loop, fut), check_open=False)
+        return await fut
+
+    def call_sync(self, fn: Callable[[LLMEngine], object], timeout: float | None = 30.0):
+        """`call` for plain threads: blocks until the engine thread ran `fn(engine)`."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, None, fut), check_open=False)
+        return fut.result(timeout)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = 60.0) -> bool:
+        """Stop taking requests; with `drain`, let the ones in flight finish first (up to
+        `timeout` seconds, then abort them); without, abort them at once (their streams end
+        with finish_reason "abort"). Blocks until the loop thread exited; True if it did."""
+        with self._cv:
+            self._accepting = False
+            if not drain:
+                self._commands.append(_Call(lambda e: self._abort_all(), None, None))
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout if drain else 10.0)
+        if self._thread.is_alive() and drain:
+            logger.warning("drain did not finish in %.0f s: aborting %d request(s)", timeout,
+                           len(self._streams))
+            with self._cv:
+                self._commands.append(_Call(lambda e: self._abort_all(), None, None))
+                self._cv.notify()
+            self._thread.join(10.0)
+        return not self._thread.is_alive()
+
+    async def ashutdown(self, drain: bool = True, timeout: float | None = 60.0) -> bool:
+        return await asyncio.to_thread(self.shutdown, drain, timeout)
+
+    # ---- submission ------------------------------------------------------------------------
+    def _submit(self, cmd: object, check_open: bool = True) -> None:
+        with self._cv:
+            if check_open and not self._accepting:
+                raise EngineClosedError("the engine is shutting down and takes no new requests")
+            if not self._thread.is_alive() and self._thread.ident is not None:
+                raise EngineClosedError("the engine loop is not running")
+            self._commands.append(cmd)
+            self._cv.notify()
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                with self._cv:
+                    while not self._commands and not self.engine.has_unfinished_requests():
+                        if self._stop:
+                            self._publish()
+                            return
+                        self._publish()
+                        self._cv.wait()
+                    commands, self._commands = self._commands, []
+                for cmd in commands:
+                    self._handle(cmd)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                now = time.monotonic()
+                if now - self._last_publish >= self.publish_interval_s:
+                    self._publish()
+            except Exception:  # a bug in this loop itself: log it, keep serving
+                logger.exception("error in the engine loop")
+                self._fail_all(EngineStepError("internal error in the engine loop"))
+                time.sleep(0.01)
+
+    def _handle(self, cmd: object) -> None:
+        try:
+            if isinstance(cmd, _Add):
+                self._handle_add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._handle_abort(cmd.request_id)
+            elif isinstance(cmd, _Call):
+                self._handle_call(cmd)
+        except Exception:
+            logger.exception("error handling %s", type(cmd).__name__)
+
+    def _handle_add(self, cmd: _Add) -> None:
+        if cmd.future.cancelled():
+            return
+        if not self._accepting:
+            return _resolve(cmd.loop, cmd.future, EngineClosedError(
+                "the engine is shutting down and takes no new requests"))
+        sched = self.engine.scheduler
+        if self.max_waiting is not None:
+            need = sum(sp.n for _, _, sp in cmd.items)
+            seats = max(0, sched.max_num_seqs - len(sched.running))
+            if len(sched.waiting) + need - seats > self.max_waiting:
+                self._observe("on_rejected")
+                return _resolve(cmd.loop, cmd.future, QueueFullError(
+                    f"too many requests waiting ({len(sched.waiting)} sequences queued, limit "
+                    f"{self.max_waiting}); retry later"))
+        added: list[str] = []
+        try:
+            for rid, prompt, params in cmd.items:
+                if rid in self._streams:
+                    raise ValueError(f"request id {rid!r} is already in use")
+                self.engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            for rid in added:
+                self.engine.abort_request(rid)
+            err = e if isinstance(e, ValueError) else EngineStepError(f"add_request failed: {e!r}")
+            return _resolve(cmd.loop, cmd.future, err)
+        for s in cmd.streams:
+            self._streams[s.request_id] = s
+        _resolve(cmd.loop, cmd.future, None)
+
+    def _handle_abort(self, rid: str) -> None:
+        s = self._streams.pop(rid, None)
+        n = len(self.engine._parents.get(rid, ()))  # sequences still held
+        if self.engine.abort_request(rid) and s is not None:
+            self._observe("on_aborted", n)
+
+    def _handle_call(self, cmd: _Call) -> None:
+        try:
+            result, err = cmd.fn(self.engine), None
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            result, err = None, e
+        if cmd.future is None:
+            return
+        if cmd.loop is None:
+            if err is None:
+                cmd.future.set_result(result)
+            else:
+                cmd.future.set_exception(err)
+        else:
+            _resolve(cmd.loop, cmd.future, err, result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.step_errors += 1
+            logger.exception("engine step failed; failing %d request(s) in flight",
+                             len(self._streams))
+            self._fail_all(EngineStepError(f"the engine failed while running this request: "
+                                           f"{type(e).__name__}: {e}"))
+            try:
+                self.engine.check_integrity()
+            except Exception:
+                logger.exception("engine integrity check failed after the error")
+            return
+        now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            s = self._streams.get(out.request_id)
+            if s is None:
+                continue
+            self._account(s, out, now)
+            batches.setdefault(s.loop, []).append((s.queue, out))
+            if out.finished:
+                s.done = True
+                del self._streams[out.request_id]
+        for loop, items in batches.items():
+            self._deliver(loop, items)
+
+    def _account(self, s: _Stream, out: RequestOutput, now: float) -> None:
+        n = sum(len(c.token_ids) for c in out.outputs)
+        if n > s.num_tokens:
+            if s.last_token_time is None:
+                self._observe("on_first_token", now - s.arrival)
+                self._observe("on_prompt", len(out.prompt_token_ids))
+            else:
+                self._observe("on_tokens", n - s.num_tokens, now - s.last_token_time)
+            s.num_tokens, s.last_token_time = n, now
+        if out.finished:
+            self._observe("on_finished", out, now - s.arrival)
+
+    def _observe(self, name: str, *args) -> None:
+        if self.observer is not None:
+            try:
+                getattr(self.observer, name)(*args)
+            except Exception:
+                logger.exception("metrics observer %s failed", name)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed: nobody will read these
+            for _, out in items:
+                if self._streams.pop(out.request_id, None) is not None:
+                    self.engine.abort_request(out.request_id)
+
+    def _fail_all(self, err: BaseException) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            try:
+                self.engine.abort_request(s.request_id)
+            except Exception:
+                logger.exception("abort of %s failed", s.request_id)
+        self._observe("on_error", len(streams))
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for s in streams:
+            batches.setdefault(s.loop, []).append((s.queue, err))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+        # anything left in the engine without a stream (should not happen) goes too
+        for rid in list(self.engine._parents):
+            self.engine.abort_request(rid)
+
+    def _abort_all(self) -> None:
+        """Abort every request in flight; each stream ends with finish_reason "abort"."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, s in list(self._streams.items()):
+            out = self.engine.output_of(rid)
+            for c in out.outputs:
+                if c.finish_reason is None:
+                    c.finish_reason = "abort"
+            out.finished = True
+            self.engine.abort_request(rid)
+            self._observe("on_aborted", len(out.outputs))
+            batches.setdefault(s.loop, []).append((s.queue, out))
+        self._streams.clear()
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+
+    def _publish(self) -> None:
+        e = self.engine
+        now = time.monotonic()
+        cache = self.snapshot.cache
+        # the cache's stats walk its whole tree: refresh them once a second, or when idle
+        if now - self._cache_time >= 1.0 or not e.has_unfinished_requests():
+            try:
+                cache = e.cache_stats()
+            except Exception:  # noqa: BLE001 - metrics must not stop the loop
+                cache = {}
+            self._cache_time = now
+        self.snapshot = EngineSnapshot(
+            running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
+            state_slots_total=e.state_pool.num_slots, state_slots_free=e.state_pool.num_free,
+            kv_pages_total=e.kv_pool.num_pages, kv_pages_free=e.kv_pool.num_free,
+            steps=e.stats.get("steps", 0), step_errors=self.step_errors, cache=cache,
+            time=now)
+        self._last_publish = now
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, err: BaseException | None,
+             result: object = None) -> None:
+    def done() -> None:
+        if fut.done():
+            return
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:
+        pass
+
+
+__all__ = [
+    "AsyncEngine",
+    "EngineClosedError",
+    "EngineSnapshot",
+    "EngineStepError",
+    "QueueFullError",
+    "RequestStream",
+]

@@ -1,0 +1,184 @@
+"""AsyncEngine: one engine thread, asyncio callers, errors delivered to the right caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mambaserve import SamplingParams
+from mambaserve.config import EngineConfig
+from mambaserve.engine.async_engine import (
+    AsyncEngine,
+    EngineClosedError,
+    EngineStepError,
+    QueueFullError,
+)
+from mambaserve.engine.llm_engine import LLMEngine
+
+BUDGET = 32 << 20  # small pools: allocating the default 1 GiB costs seconds
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def make_engine(ckpt, max_num_seqs: int) -> LLMEngine:
+    return LLMEngine(ckpt, EngineConfig(max_num_seqs=max_num_seqs, memory_budget_bytes=BUDGET))
+
+
+@pytest.fixture(scope="module")
+def aengine(tiny_ckpt):
+    eng = AsyncEngine(make_engine(tiny_ckpt, 4), max_waiting=None)
+    yield eng
+    eng.shutdown(drain=False)
+
+
+def idle(eng: AsyncEngine) -> bool:
+    def read(e):
+        return (not e.has_unfinished_requests() and not e.requests
+                and e.state_pool.num_free == e.state_pool.num_slots
+                and e.kv_pool.num_free == e.kv_pool.num_pages)
+    return eng.call_sync(read)
+
+
+async def final(eng, prompt, params, rid=None):
+    out = None
+    async for out in eng.generate(prompt, params, rid):
+        pass
+    return out
+
+
+def test_generate_matches_offline_and_is_cumulative(aengine, tiny_llm):
+    prompts = ["ROMEO:", "To be, or not", "a", "The quick brown fox jumps", "xyz", "Hi!"]
+    ref = [o.outputs[0].text for o in tiny_llm.generate(prompts, GREEDY)]
+
+    async def main():
+        seen = []
+
+        async def one(p):
+            outs = [o async for o in aengine.generate(p, GREEDY)]
+            seen.append([len(o.outputs[0].token_ids) for o in outs])
+            assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+            return outs[-1].outputs[0].text
+
+        texts = await asyncio.gather(*(one(p) for p in prompts))
+        return texts, seen
+
+    texts, seen = asyncio.run(main())
+    assert texts == ref
+    for counts in seen:
+        assert counts == sorted(counts) and counts[-1] == 6
+    assert idle(aengine)
+
+
+def test_validation_errors_reach_the_caller(aengine):
+    async def main():
+        with pytest.raises(ValueError, match="empty prompt"):
+            await aengine.add_request(None, {"prompt_token_ids": []}, GREEDY)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await aengine.add_request(None, [5, 100000], GREEDY)
+        # a batch is atomic: one bad prompt queues none of them
+        with pytest.raises(ValueError):
+            await aengine.add_requests([("ok-1", [5, 6], GREEDY), ("bad-1", [], GREEDY)])
+        # the id of the refused batch is free again
+        out = await final(aengine, [5, 6], GREEDY, "ok-1")
+        assert out.finished
+
+    asyncio.run(main())
+    assert idle(aengine)
+
+
+def test_closing_the_iterator_aborts(aengine):
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    async def main():
+        gen = aengine.generate("abort me", long, "to-abort")
+        async for out in gen:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await gen.aclose()
+
+    asyncio.run(main())
+    for _ in range(100):
+        if idle(aengine):
+            break
+    assert idle(aengine)
+
+
+def test_queue_limit(aengine):
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        aengine.max_waiting = 1
+        try:
+            # 4 seats + 1 waiting place: of 8 requests sent at once, at least 3 are refused
+            results = await asyncio.gather(*(final(aengine, f"q{i}", long) for i in range(8)),
+                                           return_exceptions=True)
+        finally:
+            aengine.max_waiting = None
+        return results
+
+    results = asyncio.run(main())
+    refused = [r for r in results if isinstance(r, QueueFullError)]
+    done = [r for r in results if not isinstance(r, BaseException)]
+    assert len(refused) >= 3 and len(done) >= 4 and len(refused) + len(done) == 8
+    assert idle(aengine)
+
+
+def test_a_failing_step_fails_requests_in_flight_and_keeps_serving(aengine):
+    engine = aengine.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    async def main():
+        engine.step = flaky_step
+        try:
+            results = await asyncio.gather(*(final(aengine, f"f{i}", GREEDY) for i in range(3)),
+                                           return_exceptions=True)
+        finally:
+            engine.step = real_step
+        assert all(isinstance(r, EngineStepError) for r in results), results
+        assert "boom" in str(results[0])
+        # the loop still serves
+        out = await final(aengine, "after", GREEDY)
+        assert out.finished and len(out.outputs[0].token_ids) == 6
+
+    asyncio.run(main())
+    assert aengine.step_errors >= 1
+    assert idle(aengine)
+
+
+def test_shutdown_drains_then_refuses(tiny_ckpt):
+    eng = AsyncEngine(make_engine(tiny_ckpt, 2))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        task = asyncio.ensure_future(final(eng, "drain me", params))
+        await asyncio.sleep(0.05)
+        assert await eng.ashutdown(drain=True)
+        out = await task
+        assert out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == 12
+        with pytest.raises(EngineClosedError):
+            await eng.add_request(None, "late", params)
+
+    asyncio.run(main())
+    assert not eng.is_running
+
+
+def test_shutdown_without_drain_aborts(tiny_ckpt):
+    eng = AsyncEngine(make_engine(tiny_ckpt, 2))
+    params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        task = asyncio.ensure_future(final(eng, "abort me", params))
+        await asyncio.sleep(0.3)
+        assert await eng.ashutdown(drain=False)
+        out = await task
+        assert out.finished and out.outputs[0].finish_reason == "abort"
+
+    asyncio.run(main())
