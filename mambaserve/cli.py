@@ -50,6 +50,44 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from mambaserve.server.launcher import serve
+
+    if a.model_path and a.model and a.model_path != a.model:
+        raise ValueError(f"two models given: {a.model_path!r} and --model {a.model!r}")
+    return serve(a.model_path or a.model, a.host, a.port, served_model_name=a.served_model_name,
+                 max_waiting=None if a.max_waiting < 0 else a.max_waiting,
+                 drain_timeout=a.drain_timeout, log_level=a.log_level, **_engine_kwargs(a))
+
+
+def _server_commands(sub) -> None:
+    """`mambaserve serve` (OpenAI-compatible HTTP server) and `mambaserve bench serve`."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
+    s.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint folder (default: embedded model)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="model id in the API (default: the checkpoint folder's name)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="sequences that may wait for admission before requests get 429 "
+                        "(-1: no limit)")
+    s.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds a SIGTERM waits for requests in flight before aborting them")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks: serve")
+    b_sub = b.add_subparsers(dest="bench_command", required=True)
+    bs = b_sub.add_parser("serve", help="online serving benchmark against a running server")
+    from mambaserve.bench.serve import add_args
+
+    add_args(bs)
+    bs.set_defaults(func=lambda ns: __import__(
+        "mambaserve.bench.serve", fromlist=["run_cli"]).run_cli(ns))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mambaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+    _server_commands(sub)
 
     a = sub.add_parser("audit-syncs", help="count host syncs per forward in fixed scenarios")
     _engine_args(a)
@@ -92,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mambaserve").setLevel(logging.INFO)  # pool sizes at start-up
     try:
         return args.func(args)
     except ValueError as e:

@@ -7,10 +7,6 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("httpx")
-
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes several seconds (subprocess, many requests)")
@@ -54,6 +50,8 @@ class Served:
 
 
 def start_server(ckpt, **kw) -> Served:
+    for mod in ("fastapi", "uvicorn", "httpx", "openai"):
+        pytest.importorskip(mod)
     from mambaserve.server import ServerThread, build_app
 
     kw.setdefault("device", "cpu")

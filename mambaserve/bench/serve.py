@@ -1,0 +1,337 @@
+"""`mambaserve bench serve`: an online-serving benchmark client for an OpenAI-compatible server.
+
+Sends random token-id prompts to /v1/completions (streamed, `ignore_eos`, greedy) with Poisson
+arrivals at `--request-rate` (inf: all at once) under an optional `--max-concurrency`, and
+measures request and token throughput, time to first token (TTFT), inter-token latency (ITL)
+and end-to-end latency (E2EL). Token counts come from the server's per-chunk usage
+(`stream_options.continuous_usage_stats`, which mambaserve and vLLM send); without it each
+non-empty chunk counts as one token.
+
+    mambaserve bench serve --base-url http://127.0.0.1:8000 --input-len 128 --output-len 64 \\
+        --num-prompts 200 --request-rate 8 --max-concurrency 32 --out r.json --plot r.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class BenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None: the first id of /v1/models
+    dataset: str = "random"
+    input_len: int = 128
+    output_len: int = 128
+    num_prompts: int = 100
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    shared_prefix_len: int = 0  # leading tokens every prompt shares (prefix-cache workloads)
+    vocab_size: int | None = None  # None: /v1/models' vocab_size
+    seed: int = 0
+    timeout_s: float = 600.0
+    disable_tqdm: bool = False
+
+    def validate(self) -> None:
+        if self.dataset != "random":
+            raise ValueError(f"unknown dataset {self.dataset!r}; only 'random' exists")
+        if self.input_len < 1 or self.output_len < 1 or self.num_prompts < 1:
+            raise ValueError("input-len, output-len and num-prompts must be >= 1")
+        if not 0 <= self.shared_prefix_len <= self.input_len:
+            raise ValueError("shared-prefix-len must be in [0, input-len]")
+        if not self.request_rate > 0:
+            raise ValueError("request-rate must be > 0 (inf: all at once)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("max-concurrency must be >= 1")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    start: float = 0.0  # seconds since the benchmark began
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # arrival of each token, from start
+
+
+def make_prompts(cfg: BenchConfig, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(cfg.seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(cfg.shared_prefix_len)]
+    rest = cfg.input_len - cfg.shared_prefix_len
+    return [prefix + [rng.randrange(vocab_size) for _ in range(rest)]
+            for _ in range(cfg.num_prompts)]
+
+
+def arrival_times(cfg: BenchConfig) -> list[float]:
+    """Seconds after the start at which each request is sent (Poisson process)."""
+    if math.isinf(cfg.request_rate):
+        return [0.0] * cfg.num_prompts
+    rng = random.Random(cfg.seed + 1)
+    t, out = 0.0, []
+    for _ in range(cfg.num_prompts):
+        out.append(t)
+        t += rng.expovariate(cfg.request_rate)
+    return out
+
+
+async def _one(client, url: str, model: str, prompt: list[int], cfg: BenchConfig,
+               t_bench: float) -> RequestResult:
+    res = RequestResult(prompt_len=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    t0 = time.perf_counter()
+    res.start = t0 - t_bench
+    last, tokens = t0, 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")
+                res.error = f"HTTP {r.status_code}: {text[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"].get("message", obj["error"]))[:200]
+                    return res
+                usage = obj.get("usage")
+                if obj.get("choices"):
+                    if usage and "completion_tokens" in usage:
+                        now_tokens = usage["completion_tokens"]
+                    else:
+                        now_tokens = tokens + (1 if obj["choices"][0].get("text") else 0)
+                    if now_tokens > tokens:
+                        now = time.perf_counter()
+                        k = now_tokens - tokens
+                        if tokens == 0:
+                            res.ttft = now - t0
+                            res.itl += [(now - last) / k] * (k - 1) if k > 1 else []
+                        else:
+                            res.itl += [(now - last) / k] * k
+                        res.token_times += [now - t_bench] * k
+                        tokens, last = now_tokens, now
+                elif usage:
+                    tokens = max(tokens, usage.get("completion_tokens", 0))
+        res.latency = time.perf_counter() - t0
+        res.output_tokens = tokens
+        res.ok = tokens > 0
+        if not res.ok:
+            res.error = "no tokens received"
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash of the benchmark
+        res.error = f"{type(e).__name__}: {e}"[:200]
+    return res
+
+
+def _stats(xs: list[float], scale: float = 1000.0) -> dict:
+    if not xs:
+        return {"mean": None, "median": None, "p90": None, "p99": None, "min": None, "max": None}
+    import numpy as np
+
+    a = np.asarray(xs, dtype=np.float64) * scale
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)),
+            "min": float(a.min()), "max": float(a.max())}
+
+
+def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float,
+              model: str) -> dict:
+    ok = [r for r in results if r.ok]
+    n_in = sum(r.prompt_len for r in ok)
+    n_out = sum(r.output_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    bin_s = max(0.1, duration / 60) if duration > 0 else 0.1
+    n_bins = max(1, math.ceil(duration / bin_s))
+    tok_bins = [0] * n_bins
+    done_bins = [0] * n_bins
+    for r in ok:
+        for t in r.token_times:
+            tok_bins[min(n_bins - 1, int(t / bin_s))] += 1
+        done_bins[min(n_bins - 1, int((r.start + r.latency) / bin_s))] += 1
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "config": asdict(cfg) | {"request_rate": str(cfg.request_rate), "model": model},
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
+        "duration_s": duration,
+        "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": n_out / duration if duration else 0.0,
+        "total_token_throughput": (n_in + n_out) / duration if duration else 0.0,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "tpot_ms": _stats(tpot),
+        "e2el_ms": _stats([r.latency for r in ok]),
+        "timeline": {"bin_s": bin_s, "output_tokens_per_s": [c / bin_s for c in tok_bins],
+                     "completed_per_s": [c / bin_s for c in done_bins]},
+    }
+
+
+async def run_benchmark(cfg: BenchConfig) -> dict:
+    import httpx
+    from tqdm import tqdm
+
+    cfg.validate()
+    base = cfg.base_url.rstrip("/")
+    limit = cfg.max_concurrency or cfg.num_prompts
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0),
+                                 limits=limits) as client:
+        model, vocab = cfg.model, cfg.vocab_size
+        if model is None or vocab is None:
+            r = await client.get(f"{base}/v1/models")
+            r.raise_for_status()
+            card = r.json()["data"][0]
+            model = model or card["id"]
+            vocab = vocab or card.get("vocab_size")
+        if not vocab:
+            raise ValueError("the server does not report vocab_size: pass --vocab-size")
+        prompts = make_prompts(cfg, int(vocab))
+        arrivals = arrival_times(cfg)
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        bar = tqdm(total=cfg.num_prompts, desc="requests", disable=cfg.disable_tqdm)
+        url = f"{base}/v1/completions"
+        t_bench = time.perf_counter()
+
+        async def launch(i: int) -> RequestResult:
+            delay = arrivals[i] - (time.perf_counter() - t_bench)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                res = await _one(client, url, model, prompts[i], cfg, t_bench)
+            else:
+                async with sem:
+                    res = await _one(client, url, model, prompts[i], cfg, t_bench)
+            bar.update(1)
+            return res
+
+        results = await asyncio.gather(*(launch(i) for i in range(cfg.num_prompts)))
+        duration = time.perf_counter() - t_bench
+        bar.close()
+    return summarize(cfg, list(results), duration, model)
+
+
+def print_summary(res: dict, file=sys.stdout) -> None:
+    def row(name: str, v) -> None:
+        print(f"{name:<34}{v:>14.2f}" if isinstance(v, float) else f"{name:<34}{v!s:>14}",
+              file=file)
+
+    print("=" * 20 + " serving benchmark " + "=" * 20, file=file)
+    row("successful requests", res["completed"])
+    row("failed requests", res["failed"])
+    row("duration (s)", res["duration_s"])
+    row("input tokens", res["total_input_tokens"])
+    row("output tokens", res["total_output_tokens"])
+    row("request throughput (req/s)", res["request_throughput"])
+    row("output token throughput (tok/s)", res["output_throughput"])
+    row("total token throughput (tok/s)", res["total_token_throughput"])
+    for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"),
+                      ("e2el_ms", "E2E latency")):
+        s = res[key]
+        for stat in ("mean", "median", "p99"):
+            v = s[stat]
+            row(f"{stat} {name} (ms)", v if v is not None else "-")
+    for err, count in res["errors"].items():
+        print(f"error x{count}: {err}", file=file)
+
+
+def plot(res: dict, path: str) -> bool:
+    """Latency percentiles and throughput over time as a PNG; False (and a message) without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib)",
+              file=sys.stderr)
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2el_ms", "E2E")]
+    stats = ("median", "p90", "p99")
+    width = 0.25
+    for j, stat in enumerate(stats):
+        vals = [res[k][stat] or 0.0 for k, _ in names]
+        ax1.bar([i + (j - 1) * width for i in range(len(names))], vals, width, label=stat)
+    ax1.set_xticks(range(len(names)), [n for _, n in names])
+    ax1.set_ylabel("ms")
+    ax1.set_yscale("log")
+    ax1.set_title("latency percentiles")
+    ax1.legend()
+    tl = res["timeline"]
+    xs = [(i + 0.5) * tl["bin_s"] for i in range(len(tl["output_tokens_per_s"]))]
+    ax2.plot(xs, tl["output_tokens_per_s"], label="output tok/s")
+    ax2.set_xlabel("time (s)")
+    ax2.set_ylabel("output tokens / s")
+    ax3 = ax2.twinx()
+    ax3.plot(xs, tl["completed_per_s"], color="tab:orange", alpha=0.6, label="requests/s done")
+    ax3.set_ylabel("completed requests / s")
+    c = res["config"]
+    ax2.set_title(f"throughput over time (rate {c['request_rate']}, "
+                  f"concurrency {c['max_concurrency'] or 'inf'})")
+    h1, l1 = ax2.get_legend_handles_labels()
+    h2, l2 = ax3.get_legend_handles_labels()
+    ax2.legend(h1 + h2, l1 + l2, loc="upper right")
+    fig.suptitle(f"{c['model']}: in {c['input_len']} / out {c['output_len']} tokens, "
+                 f"{res['completed']} requests, {res['output_throughput']:.1f} tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--dataset", default="random", choices=["random"])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="leading prompt tokens shared by every request")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids are drawn from [0, vocab-size) (default: from /v1/models)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG of latencies and throughput here")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    cfg = BenchConfig(base_url=a.base_url, model=a.model, dataset=a.dataset,
+                      input_len=a.input_len, output_len=a.output_len, num_prompts=a.num_prompts,
+                      request_rate=a.request_rate, max_concurrency=a.max_concurrency,
+                      shared_prefix_len=a.shared_prefix_len, vocab_size=a.vocab_size,
+                      seed=a.seed, timeout_s=a.timeout, disable_tqdm=a.disable_tqdm)
+    res = asyncio.run(run_benchmark(cfg))
+    print_summary(res)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"results written to {a.out}")
+    if a.plot and plot(res, a.plot):
+        print(f"plot written to {a.plot}")
+    return 0 if res["completed"] else 1
