@@ -186,7 +186,10 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float,
 
 
 async def run_benchmark(cfg: BenchConfig) -> dict:
-    import httpx
+    try:
+        import httpx
+    except ImportError:
+        raise ValueError("bench serve needs httpx: pip install httpx") from None
     from tqdm import tqdm
 
     cfg.validate()
