@@ -157,8 +157,8 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(exc.detail), status=exc.status_code, type=kind).body(),
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(APIError(str(exc.detail), status=exc.status_code, code=code).body(),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
