@@ -201,3 +201,35 @@ def test_metrics_are_prometheus_text_and_idle(server):
     # no 500 was ever answered in this session
     assert 'status="500"' not in text
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_an_engine_failure_is_a_503_and_the_server_keeps_serving(server):
+    engine = server.engine.engine
+    real_step = engine.step
+    state = {"fail": True}
+
+    def failing_step():
+        if state["fail"]:
+            state["fail"] = False
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    engine.step = failing_step
+    try:
+        r = httpx.post(server.url + CMPL, json={"prompt": "x", "max_tokens": 4}, timeout=30)
+        err = _check_error(r, 503, None)
+        assert err["type"] == "server_error" and err["code"] == "engine_error"
+        assert "injected failure" in err["message"]
+        # a stream that is already running gets the error in-band, then [DONE]
+        state["fail"] = True
+        with httpx.stream("POST", server.url + CMPL, timeout=30,
+                          json={"prompt": "x", "max_tokens": 4, "stream": True}) as s:
+            assert s.status_code == 200
+            lines = [ln for ln in s.iter_lines() if ln]
+        assert '"engine_error"' in lines[-2] and lines[-1] == "data: [DONE]"
+    finally:
+        engine.step = real_step
+    server.wait_idle()
+    r = httpx.post(server.url + CMPL, json={"prompt": "x", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(server.url + "/health").status_code == 200
