@@ -154,9 +154,10 @@ class ModelRunner:
             res.token_id, res.logprob = int(ids[j]), float(lps[j])
             if req.params.logprobs is not None:
                 d = {res.token_id: res.logprob}
-                for t, v in zip(top_ids[j, : req.params.logprobs],
-                                top_lps[j, : req.params.logprobs]):
-                    d.setdefault(int(t), float(v))
+                if top_ids is not None:  # logprobs=0 everywhere: only the sampled token
+                    for t, v in zip(top_ids[j, : req.params.logprobs],
+                                    top_lps[j, : req.params.logprobs]):
+                        d.setdefault(int(t), float(v))
                 res.top_logprobs = d
         if Q:
             q_lp = take(Q)

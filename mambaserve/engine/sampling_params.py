@@ -36,13 +36,14 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < 1e6:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:
+            bad(f"top_k must be -1, 0 (disabled) or a positive integer below 2**31, "
+                f"got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):

@@ -114,6 +114,13 @@ def test_prompt_logprobs_with_top_alternatives(tiny_llm, hf_model):
             assert abs(d[t] - ref[i - 1, t].item()) < 1e-4
 
 
+def test_logprobs_zero_returns_only_the_sampled_token(tiny_llm):
+    p = {"prompt_token_ids": rand_prompts([6], seed=11)[0]}
+    out = tiny_llm.generate(p, SamplingParams(temperature=0.7, seed=3, max_tokens=4, logprobs=0,
+                                              ignore_eos=True))[0].outputs[0]
+    assert [list(d) for d in out.logprobs] == [[t] for t in out.token_ids]
+
+
 def test_chat_uses_template(tiny_llm):
     out = tiny_llm.chat([{"role": "user", "content": "hi"}],
                         SamplingParams(temperature=0, max_tokens=3))[0]
@@ -138,11 +145,15 @@ def test_bad_prompts_raise_clear_errors(tiny_llm, prompt, params, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
-    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_k": -3}, "top_k"),
     ({"n": 0}, "n must be"),
     ({"logprobs": 50}, "logprobs"),
+    ({"temperature": float("nan")}, "temperature must be a finite"),
+    ({"temperature": float("inf")}, "temperature must be a finite"),
+    ({"top_k": 2**40}, "below 2\\*\\*31"),
+    ({"top_p": float("nan")}, "top_p"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
