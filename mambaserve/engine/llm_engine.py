@@ -96,6 +96,9 @@ class LLMEngine:
         else:
             num_slots = min(want_slots, (budget // 2) // max(slot_bytes, 1))
             num_pages = (budget - num_slots * slot_bytes) // page_bytes
+            # never more than every sequence at full length (twice that for cached prefixes)
+            full = c.max_num_seqs * pages_per_seq * (2 if c.enable_prefix_caching else 1)
+            num_pages = min(num_pages, full)
         if num_slots < 1 or num_pages < 1:
             raise ValueError(
                 f"memory budget of {budget / 2**20:.1f} MiB is too small: one state slot needs "
