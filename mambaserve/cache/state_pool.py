@@ -59,9 +59,6 @@ class StatePool:
             raise RuntimeError(f"freeing slot {slot} that is not allocated")
         self._free.append(slot)
 
-    def is_free(self, slot: int) -> bool:
-        return slot in self._free
-
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole states (all layers) from slots `src` to slots `dst` (device index tensors)."""
         self.conv_state.index_copy_(1, dst, self.conv_state.index_select(1, src))

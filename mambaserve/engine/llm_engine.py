@@ -14,7 +14,7 @@ import torch
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.radix_cache import PrefixCache
 from mambaserve.cache.state_pool import StatePool
-from mambaserve.config import EngineConfig, LayerKind, ModelConfig, resolve_dtype
+from mambaserve.config import EngineConfig, ModelConfig, resolve_dtype
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
 from mambaserve.engine.request import Request, Status
 from mambaserve.engine.runner import ModelRunner, RowResult
@@ -288,6 +288,3 @@ class LLMEngine:
             return
         self.prefix_cache.check_integrity([r.pages for r in running], slots,
                                           [r.cache_path for r in running])
-
-    def kinds_present(self) -> set[LayerKind]:
-        return set(self.model_config.layer_kinds)
