@@ -17,6 +17,12 @@ import torch
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, H_kv, head_dim]; slot_mapping: [T] int64 flat (page * page_size + offset)."""
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if k.is_cuda and triton_available():
+        from mambaserve.ops.triton.paged_attention import write_kv_triton
+
+        return write_kv_triton(kv_cache, k, v, slot_mapping)
     _, num_pages, page_size, Hkv, Dh = kv_cache.shape
     flat = kv_cache.view(2, num_pages * page_size, Hkv, Dh)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
@@ -34,6 +40,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, head_dim]; page_table: [R, max_pages] int64; token_row, positions: [T] int64;
     max_kv_len: host int >= every row's length after this forward. Returns [T, H, head_dim]."""
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if q.is_cuda and triton_available():
+        from mambaserve.ops.triton.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv_len,
+                                      scale)
     return paged_attention_ref(q, kv_cache, page_table, token_row, positions, max_kv_len, scale)
 
 

@@ -1,0 +1,177 @@
+"""Triton write_kv + paged_attention vs. the torch references, on mixed batches built by
+build_metadata: ragged prefill rows (some continuing a cached prefix written by an earlier
+forward), decode rows, pages allocated in scrambled order, a pool full of stale garbage.
+
+Without CUDA the kernels run under Triton's CPU interpreter (float32 / float16, small shapes);
+float32 inputs use IEEE dots, so the tolerance is float32's. With CUDA the same cases run on the
+GPU, plus a Nemotron-like shape in bf16 (40 query heads, 8 KV heads, head_dim 128, page 16).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+from mambaserve.ops.paged_attention import paged_attention_ref
+from mambaserve.ops.paged_attention import write_kv as write_kv_any
+from mambaserve.ops.triton.paged_attention import (
+    _paged_attention_kernel,
+    paged_attention_triton,
+    write_kv_triton,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and type(_paged_attention_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+
+def write_kv_ref(kv_cache, k, v, slot_mapping):
+    """The torch reference (write_kv dispatches to Triton on CUDA)."""
+    if not kv_cache.is_cuda:
+        return write_kv_any(kv_cache, k, v, slot_mapping)
+    _, n, ps, Hkv, Dh = kv_cache.shape
+    flat = kv_cache.view(2, n * ps, Hkv, Dh)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _meta(prefills, decodes, page_size, scratch):
+    return build_metadata(BatchPlan(prefills=prefills, decodes=decodes), chunk_size=8,
+                          conv_kernel=4, page_size=page_size, scratch_page=scratch, device=DEV)
+
+
+def _row(n, ctx, slot, pages):
+    return RowPlan(token_ids=[1] * n, context_len=ctx, state_slot=slot, has_initial_state=ctx > 0,
+                   pages=pages)
+
+
+def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, **kw):
+    """prefills / decodes: (context_len, new tokens). Writes every cached prefix with one
+    forward, then runs the mixed batch; checks the pool and the attention output."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = list(prefills) + list(decodes)
+    lens = [c + n for c, n in reqs]
+    need = [-(-L // page_size) for L in lens]
+    num_pages = sum(need) + 3  # a few pages nobody owns
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    pages, at = [], 0
+    for n in need:
+        pages.append(perm[at: at + n])
+        at += n
+    scratch = num_pages
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
+
+    k_all = [rnd(L, Hkv, Dh) for L in lens]
+    v_all = [rnd(L, Hkv, Dh) for L in lens]
+    garbage = rnd(2, num_pages + 1, page_size, Hkv, Dh, scale=30.0)
+    kv_ref, kv_tri = garbage.clone(), garbage.clone()
+
+    pre = [(i, c) for i, (c, _) in enumerate(reqs) if c > 0]
+    if pre:
+        m0 = _meta([_row(c, 0, i, pages[i]) for i, c in pre], [], page_size, scratch)
+        k0 = torch.cat([k_all[i][:c] for i, c in pre])
+        v0 = torch.cat([v_all[i][:c] for i, c in pre])
+        write_kv_ref(kv_ref, k0, v0, m0.slot_mapping)
+        write_kv_triton(kv_tri, k0, v0, m0.slot_mapping)
+        assert torch.equal(kv_tri, kv_ref)
+
+    P = len(prefills)
+    meta = _meta([_row(n, c, i, pages[i]) for i, (c, n) in enumerate(prefills)],
+                 [_row(n, c, P + j, pages[P + j]) for j, (c, n) in enumerate(decodes)],
+                 page_size, scratch)
+    k_new = torch.cat([k_all[i][c:c + n] for i, (c, n) in enumerate(reqs)])
+    v_new = torch.cat([v_all[i][c:c + n] for i, (c, n) in enumerate(reqs)])
+    write_kv_ref(kv_ref, k_new, v_new, meta.slot_mapping)
+    write_kv_triton(kv_tri, k_new, v_new, meta.slot_mapping)
+    assert torch.equal(kv_tri, kv_ref), "write_kv differs from the reference"
+
+    q = rnd(meta.num_tokens, H, Dh)
+    scale = Dh ** -0.5
+    ref = paged_attention_ref(q, kv_ref, meta.page_table, meta.token_row, meta.positions,
+                              meta.max_kv_len, scale)
+    out = paged_attention_triton(q, kv_tri, meta.page_table, meta.token_row, meta.positions,
+                                 meta.max_kv_len, scale, **kw)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert not torch.isnan(out).any()
+    return out, ref
+
+
+# (context_len, new tokens): fresh and continued prefill rows (prefixes ending mid-page and on a
+# page boundary), a one-token prefill row; decode rows at page starts, mid-page and position 0
+PREFILLS = [(0, 7), (5, 9), (16, 3), (3, 1)]
+DECODES = [(9, 1), (0, 1), (16, 1), (4, 1)]
+
+CASES = [  # (page_size, H, Hkv, Dh)
+    (4, 4, 4, 16), (4, 4, 2, 64), (4, 8, 2, 80),
+    (16, 2, 2, 64), (16, 4, 2, 16), (16, 8, 2, 80),
+]
+
+
+@pytest.mark.parametrize("page_size,H,Hkv,Dh", CASES)
+def test_paged_attention_fp32(page_size, H, Hkv, Dh):
+    out, ref = _run(PREFILLS, DECODES, page_size, H, Hkv, Dh, torch.float32, seed=Dh + H)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size,H,Hkv,Dh", [(4, 8, 2, 64), (16, 4, 1, 16)])
+def test_paged_attention_fp16(page_size, H, Hkv, Dh):
+    out, ref = _run(PREFILLS, DECODES, page_size, H, Hkv, Dh, torch.float16, seed=7)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_paged_attention_only_decodes_block_spans_pages():
+    """Decode-only batch; a 32-key block covering 8 pages of 4 per step."""
+    out, ref = _run([], [(37, 1), (2, 1), (64, 1)], 4, 4, 2, 16, torch.float32, seed=3,
+                    block_n=32)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_ignores_nonfinite_stale_slots():
+    """NaN/inf in slots past a token's position (stale pages, tail of its last page) never leak."""
+    page_size, H, Hkv, Dh = 4, 2, 1, 16
+    meta = _meta([_row(3, 2, 0, [2, 0])], [_row(1, 5, 1, [1, 3])], page_size, 4)
+    kv = torch.randn(2, 5, page_size, Hkv, Dh).to(DEV)
+    kv[:, 0, 1:] = float("nan")  # row 0 reaches position 4 = page 0 offset 0 only
+    kv[:, 3, 2:] = float("inf")  # row 1 reaches position 5 = page 3 offset 1
+    kv[:, 4] = float("nan")  # scratch
+    q = torch.randn(meta.num_tokens, H, Dh).to(DEV)
+    out = paged_attention_triton(q, kv, meta.page_table, meta.token_row, meta.positions,
+                                 meta.max_kv_len, 0.25)
+    assert torch.isfinite(out).all()
+    clean = kv.nan_to_num(0.0, 0.0, 0.0)
+    ref = paged_attention_ref(q, clean, meta.page_table, meta.token_row, meta.positions,
+                              meta.max_kv_len, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_batch():
+    kv = torch.zeros(2, 3, 4, 2, 16, device=DEV)
+    q = torch.zeros(0, 4, 16, device=DEV)
+    idx = torch.zeros(0, dtype=torch.int64, device=DEV)
+    write_kv_triton(kv, q[:, :2], q[:, :2], idx)
+    out = paged_attention_triton(q, kv, torch.zeros(1, 1, dtype=torch.int64, device=DEV), idx,
+                                 idx, 0, 0.25)
+    assert out.shape == (0, 4, 16)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefills,decodes", [
+    ([(0, 512), (300, 200), (17, 1000)], [(c, 1) for c in (0, 15, 16, 999, 2047, 4000)]),
+    ([], [(c, 1) for c in range(0, 8192, 97)]),
+], ids=["mixed", "decode64"])
+def test_paged_attention_nemotron_bf16_gpu(prefills, decodes):
+    out, ref = _run(prefills, decodes, 16, 40, 8, 128, torch.bfloat16, seed=11)
+    assert _rel(out, ref) < 1e-2, _rel(out, ref)
