@@ -1,0 +1,65 @@
+"""Rotary position embedding (RoPE) for the attention layers of later model families.
+
+`apply_rotary(q, k, positions, theta, rotary_dim, neox=True) -> (q_out, k_out)` rotates the first
+`rotary_dim` channels of every head of q [T, H, D] and k [T, H_kv, D] by the angles
+`positions[t] * inv_freq[i]`, `inv_freq[i] = 1 / theta ** (2i / rotary_dim)` (transformers'
+default RoPE); channels past `rotary_dim` pass through unchanged.
+
+* NeoX style (`neox=True`, transformers' `rotate_half`): channel i pairs with i + rotary_dim/2.
+* GPT-J style (`neox=False`): channel 2i pairs with 2i + 1 (interleaved pairs).
+
+Angles, cos/sin and the rotation are computed in float32 and rounded once to the input dtype
+(transformers rounds cos/sin to the model dtype first, so bf16 results may differ by an ulp).
+OUT-OF-PLACE: both the reference and the Triton kernel return new contiguous tensors and leave
+q and k untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_inv_freq(theta: float, rotary_dim: int, device) -> torch.Tensor:
+    """[rotary_dim // 2] float32, computed exactly as transformers' default RoPE init."""
+    exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    return 1.0 / (float(theta) ** exps)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float,
+                 rotary_dim: int, neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D]; k: [T, H_kv, D]; positions: [T] int64 absolute positions; rotary_dim even,
+    <= D. Returns new (q, k) in their input dtypes."""
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if q.is_cuda and triton_available():
+        from mambaserve.ops.triton.rotary import apply_rotary_triton
+
+        return apply_rotary_triton(q, k, positions, theta, rotary_dim, neox)
+    return apply_rotary_ref(q, k, positions, theta, rotary_dim, neox)
+
+
+def _check(q, k, positions, rotary_dim):
+    T, _, D = q.shape
+    assert k.shape[0] == T and k.shape[2] == D and positions.shape == (T,), (
+        q.shape, k.shape, positions.shape)
+    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= D, (rotary_dim, D)
+
+
+def apply_rotary_ref(q, k, positions, theta, rotary_dim, neox=True):
+    _check(q, k, positions, rotary_dim)
+    inv_freq = rotary_inv_freq(theta, rotary_dim, q.device)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    half = rotary_dim // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        r = x[..., :rotary_dim].float()
+        if neox:
+            x1, x2 = r[..., :half], r[..., half:]
+        else:
+            x1, x2 = r[..., 0::2], r[..., 1::2]
+        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        rot = torch.cat([o1, o2], dim=-1) if neox else torch.stack([o1, o2], dim=-1).flatten(-2)
+        return torch.cat([rot.to(x.dtype), x[..., rotary_dim:]], dim=-1)
+
+    return rotate(q), rotate(k)

@@ -1,0 +1,85 @@
+"""Triton rotary embedding (same contract as `mambaserve.ops.rotary.apply_rotary`; OUT-OF-PLACE:
+returns new contiguous q and k, inputs are not modified).
+
+Grid: (tokens, head blocks), launched once for q and once for k. One program computes the
+token's angles `positions[t] * inv_freq` in float32 (inv_freq is computed by torch on the device
+exactly as the reference does, so angles match bit for bit), rotates the pairs of BLOCK_H heads
+(NeoX: channel i with i + rotary_dim/2; GPT-J: 2i with 2i + 1) in float32 and copies the channels
+past rotary_dim unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mambaserve.ops.rotary import _check, rotary_inv_freq
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, out_ptr, pos_ptr, inv_ptr, H, D, HALF,
+    x_t, x_h, x_d, o_t, o_h, o_d,
+    NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    mh = offs_h < H
+    mi = offs_i < HALF
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    ang = pos * tl.load(inv_ptr + offs_i, mask=mi, other=0.0)
+    c = tl.cos(ang)[None, :]
+    s = tl.sin(ang)[None, :]
+    if NEOX:
+        d1 = offs_i
+        d2 = offs_i + HALF
+    else:
+        d1 = 2 * offs_i
+        d2 = 2 * offs_i + 1
+    m = mh[:, None] & mi[None, :]
+    xb = x_ptr + t * x_t + offs_h[:, None] * x_h
+    ob = out_ptr + t * o_t + offs_h[:, None] * o_h
+    x1 = tl.load(xb + d1[None, :] * x_d, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xb + d2[None, :] * x_d, mask=m, other=0.0).to(tl.float32)
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    tl.store(ob + d1[None, :] * o_d, o1.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(ob + d2[None, :] * o_d, o2.to(out_ptr.dtype.element_ty), mask=m)
+    if BLOCK_REST > 0:  # channels past rotary_dim: copied
+        for d0 in range(2 * HALF, D, BLOCK_REST):
+            offs_r = d0 + tl.arange(0, BLOCK_REST)
+            mr = mh[:, None] & (offs_r < D)[None, :]
+            xr = tl.load(xb + offs_r[None, :] * x_d, mask=mr)
+            tl.store(ob + offs_r[None, :] * o_d, xr, mask=mr)
+
+
+def _launch(x, positions, inv_freq, rotary_dim, neox, block_h):
+    T, H, D = x.shape
+    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if T == 0 or H == 0:
+        return out
+    half = rotary_dim // 2
+    rest = D - rotary_dim
+    BLOCK_H = block_h or min(16, triton.next_power_of_2(H))
+    BLOCK_HALF = triton.next_power_of_2(half)
+    BLOCK_REST = triton.next_power_of_2(rest) if rest > 0 else 0
+    BLOCK_REST = min(BLOCK_REST, 64)
+    num_warps = max(1, min(4, BLOCK_H * BLOCK_HALF // 256))
+    _rotary_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        x, out, positions, inv_freq, H, D, half, *x.stride(), *out.stride(),
+        NEOX=bool(neox), BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_REST=BLOCK_REST,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def apply_rotary_triton(q, k, positions, theta, rotary_dim, neox=True, *,
+                        block_h: int | None = None):
+    """Same contract as `mambaserve.ops.rotary.apply_rotary` (out-of-place)."""
+    _check(q, k, positions, rotary_dim)
+    inv_freq = rotary_inv_freq(theta, rotary_dim, q.device)
+    return (_launch(q, positions, inv_freq, rotary_dim, neox, block_h),
+            _launch(k, positions, inv_freq, rotary_dim, neox, block_h))
