@@ -21,6 +21,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--mamba-snapshot-interval", type=int, default=None,
                    help="prefix-cache snapshot spacing in tokens (multiple of the chunk size)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run every forward eagerly (default for now); --no-enforce-eager replays "
+                        "decode-only batches through CUDA graphs (docs/cuda_graphs.md)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                   help="largest decode batch captured in a CUDA graph")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -29,7 +34,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
                 mamba_ssm_dtype=a.mamba_ssm_dtype, memory_budget_bytes=budget,
                 enable_prefix_caching=a.enable_prefix_caching,
-                mamba_snapshot_interval=a.mamba_snapshot_interval)
+                mamba_snapshot_interval=a.mamba_snapshot_interval,
+                enforce_eager=a.enforce_eager, cuda_graph_max_bs=a.cuda_graph_max_bs)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

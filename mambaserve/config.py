@@ -273,6 +273,10 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     mamba_snapshot_interval: int | None = None
     seed: int = 0
+    # decode CUDA graphs (engine/cuda_graph.py). Default eager until the graph path is verified
+    # on a GPU (docs/cuda_graphs.md); False on a CPU runs the static-buffer path uncaptured.
+    enforce_eager: bool = True
+    cuda_graph_max_bs: int = 256
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -281,5 +285,7 @@ class EngineConfig:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")

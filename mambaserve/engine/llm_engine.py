@@ -50,6 +50,15 @@ class LLMEngine:
             self.state_pool, self.kv_pool, config.max_num_seqs, config.chunked_prefill_size,
             SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None)
         self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
+        if not config.enforce_eager:
+            from mambaserve.engine.cuda_graph import CudaGraphRunner
+
+            self.runner.graph_runner = CudaGraphRunner(
+                self.model, self.state_pool, self.kv_pool,
+                max_bs=min(config.cuda_graph_max_bs, config.max_num_seqs),
+                max_model_len=self.max_model_len, snapshots=config.enable_prefix_caching,
+                device=self.device)
+            self.runner.graph_runner.capture()
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
         self._rng = random.Random(config.seed)

@@ -36,6 +36,7 @@ class ModelRunner:
         cfg = model.cfg
         self.chunk_size, self.conv_kernel = cfg.chunk_size, cfg.conv_kernel
         self.on_forward = None  # test hook: called with (batch, meta) before the forward
+        self.graph_runner = None  # engine/cuda_graph.CudaGraphRunner when graphs are enabled
         # labels the phases of a step for the sync audit (tools/sync_audit.py)
         self.section: Callable[[str], contextlib.AbstractContextManager] = \
             lambda label: contextlib.nullcontext()
@@ -82,8 +83,16 @@ class ModelRunner:
                 sample_rows.append(i)
             offset += len(plan.logits_positions)
         P = len(batch.prefills)
+        plan = BatchPlan(plans[:P], plans[P:])
+        if self.graph_runner is not None and self.graph_runner.can_run(plan, len(prompt_targets)):
+            # decode-only batch: static buffers + captured graph (engine/cuda_graph.py)
+            with self.section("forward"):
+                meta, logits = self.graph_runner.run(plan, sample_rows)
+            if self.on_forward is not None:
+                self.on_forward(batch, meta)
+            return self._finish(batch, meta, logits, sample_rows, prompt_targets, plans)
         meta = build_metadata(
-            BatchPlan(plans[:P], plans[P:]), chunk_size=self.chunk_size,
+            plan, chunk_size=self.chunk_size,
             conv_kernel=self.conv_kernel, page_size=self.kv_pool.page_size,
             scratch_page=self.kv_pool.scratch_page, device=self.device,
             extra={"prompt_targets": np.array(prompt_targets, dtype=np.int64),
@@ -96,6 +105,10 @@ class ModelRunner:
                 self.state_pool.copy_slots(meta.cow_src, meta.cow_dst)
             logits = self.model(meta, self.state_pool.conv_state, self.state_pool.ssm_state,
                                 self.kv_pool.kv_cache)
+        return self._finish(batch, meta, logits, sample_rows, prompt_targets, plans)
+
+    def _finish(self, batch: ScheduledBatch, meta, logits: torch.Tensor, sample_rows: list[int],
+                prompt_targets: list[int], plans: list[RowPlan]) -> list[RowResult]:
         with self.section("sampler"):
             parts = self._sample(batch, meta, logits, sample_rows, prompt_targets)
         with self.section("readback"):

@@ -1,0 +1,298 @@
+"""Decode CUDA graphs: the whole decode forward (every layer + lm_head, logits of every row)
+captured once per batch-size bucket and replayed for decode-only batches.
+
+Design (docs/cuda_graphs.md):
+- ONE static int64 device buffer holds every index array of a decode forward at `max_bs` rows.
+  Layout: per-row fields (input_ids, positions, token_row, state_slots, slot_mapping,
+  decode_snap_dst, logits_idx, sample_idx), each `max_bs` long, then the page table
+  `[max_bs, max_pages]` LAST, so that everything bucket `bs` reads is one contiguous prefix
+  (`StaticLayout.prefix_len(bs)`): a replay uploads exactly that prefix with ONE host-to-device
+  copy, as `build_metadata` does.
+- The captured `ForwardMetadata` of bucket `bs` holds views SLICED `[:bs]` of the static buffer
+  (never the whole max-size field, whose stale tail a kernel would see) and fixed host ints:
+  num_decodes = bs, num_prefills = 0, max_kv_len = max_model_len rounded up to whole pages (one
+  graph serves every length; attention masks by each token's position).
+- Padding rows (real batch size < bucket): state slot -1 (kernels skip it, references route it
+  to the scratch slot), KV slot and page-table row -> the scratch page, position 0, token 0,
+  snapshot destination -1. Decode rows sit at the FRONT of the static buffers, so a mixed batch
+  (prefill rows first in the eager layout) must never reach this path: `pack_decode_batch`
+  asserts it.
+- Prefix-cache snapshots of decode rows run inside the graph with fixed shapes (-1 = none).
+- Logits are copied inside the graph into one shared `[max_bs, vocab]` float32 buffer (not one
+  output per graph), so the graphs' outputs cost one buffer, not one per bucket.
+
+On a CPU (tests) the same static-buffer path runs without capture (`capture=False`): packing,
+padding, slicing and the engine routing are exercised; only capture/replay needs a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mambaserve.metadata import BatchPlan, ForwardMetadata
+
+logger = logging.getLogger("mambaserve")
+
+ROW_FIELDS = ("input_ids", "positions", "token_row", "state_slots", "slot_mapping",
+              "decode_snap_dst", "logits_idx", "sample_idx")
+
+
+def bucket_sizes(max_bs: int, step: int = 8) -> list[int]:
+    """1, 2, 4, 8, then multiples of `step` above 8 up to max_bs (max_bs always included)."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
+    if step < 1:
+        raise ValueError(f"bucket step must be >= 1, got {step}")
+    out = [b for b in (1, 2, 4, 8) if b <= max_bs]
+    b = step * (8 // step + 1)  # the first multiple of step above 8
+    while b < max_bs:
+        out.append(b)
+        b += step
+    if out[-1] != max_bs:
+        out.append(max_bs)
+    return out
+
+
+def choose_bucket(buckets: list[int], n: int) -> int:
+    """Smallest bucket >= n."""
+    if n < 1:
+        raise ValueError(f"batch size must be >= 1, got {n}")
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"batch size {n} exceeds the largest captured bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class StaticLayout:
+    """Offsets of the fields inside the static int64 buffer."""
+
+    max_bs: int
+    max_pages: int
+
+    def offset(self, name: str) -> int:
+        if name == "page_table":
+            return len(ROW_FIELDS) * self.max_bs
+        return ROW_FIELDS.index(name) * self.max_bs
+
+    @property
+    def total(self) -> int:
+        return len(ROW_FIELDS) * self.max_bs + self.max_bs * self.max_pages
+
+    def prefix_len(self, bs: int) -> int:
+        """Length of the contiguous prefix that bucket `bs` reads (the page table is last)."""
+        return len(ROW_FIELDS) * self.max_bs + bs * self.max_pages
+
+
+def pack_decode_batch(plan: BatchPlan, bs: int, layout: StaticLayout, *, page_size: int,
+                      scratch_page: int, sample_rows: list[int] | None = None) -> np.ndarray:
+    """Host array of `layout.prefix_len(bs)` int64 with the real decode rows first and padding
+    rows up to `bs`. Raises AssertionError for a batch with prefill rows (mixed batches run
+    eagerly: their decode rows sit at the END of the eager layout, here at the FRONT)."""
+    assert not plan.prefills, (
+        f"CUDA-graph path got a batch with {len(plan.prefills)} prefill row(s): only decode-only "
+        "batches may be replayed (num_decodes must equal the batch size)")
+    n = len(plan.decodes)
+    assert 0 < n <= bs <= layout.max_bs, f"batch of {n} rows does not fit bucket {bs}"
+    mb, mp = layout.max_bs, layout.max_pages
+    buf = np.zeros(layout.prefix_len(bs), dtype=np.int64)
+
+    def field(name: str) -> np.ndarray:
+        o = layout.offset(name)
+        return buf[o: o + mb]
+
+    scratch_slot = scratch_page * page_size
+    ids, pos, row, slots = field("input_ids"), field("positions"), field("token_row"), \
+        field("state_slots")
+    smap, snap, lidx, sidx = field("slot_mapping"), field("decode_snap_dst"), \
+        field("logits_idx"), field("sample_idx")
+    table = buf[layout.offset("page_table"):].reshape(bs, mp)
+    # padding everywhere first: slot -1, scratch KV slot / page, position 0, token 0, snapshot -1
+    slots[:] = -1
+    smap[:] = scratch_slot
+    snap[:] = -1
+    table[:] = scratch_page
+    row[:] = np.arange(mb)
+    lidx[:] = np.arange(mb)
+    for i, r in enumerate(plan.decodes):
+        if r.num_tokens != 1:
+            raise ValueError("decode rows carry exactly one token")
+        if len(r.pages) > mp:
+            raise ValueError(f"row needs {len(r.pages)} pages, the graph holds {mp}")
+        if r.restore_from >= 0:
+            raise ValueError("a decode row cannot restore a snapshot")
+        if len(r.snapshots) > 1 or any(p != r.context_len + 1 for p, _ in r.snapshots):
+            raise ValueError("a decode row snapshots at most the position after its token")
+        p = r.context_len
+        ids[i] = r.token_ids[0]
+        pos[i] = p
+        slots[i] = r.state_slot
+        table[i, : len(r.pages)] = r.pages
+        smap[i] = table[i, p // page_size] * page_size + p % page_size
+        snap[i] = r.snapshots[0][1] if r.snapshots else -1
+    rows = list(range(n)) if sample_rows is None else list(sample_rows)
+    sidx[: len(rows)] = rows
+    return buf
+
+
+def _empty(device, *shape, dtype=torch.int64) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+def graph_metadata(buf: torch.Tensor, layout: StaticLayout, bs: int, *, max_kv_len: int,
+                   conv_kernel: int, chunk_size: int, snapshots: bool) -> ForwardMetadata:
+    """Metadata of bucket `bs`: views [:bs] of the static buffer, fixed host ints."""
+    mb = layout.max_bs
+
+    def view(name: str) -> torch.Tensor:
+        o = layout.offset(name)
+        return buf[o: o + mb][:bs]
+
+    o = layout.offset("page_table")
+    page_table = buf[o: o + mb * layout.max_pages].view(mb, layout.max_pages)[:bs]
+    dev, K1 = buf.device, conv_kernel - 1
+    return ForwardMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=bs, num_tokens=bs, num_chunks=0,
+        max_kv_len=max_kv_len, num_logits=bs,
+        input_ids=view("input_ids"), positions=view("positions"), token_row=view("token_row"),
+        state_slots=view("state_slots"),
+        has_initial_state=_empty(dev, 0, dtype=torch.bool),
+        conv_window_idx=_empty(dev, 0, conv_kernel), conv_state_idx=_empty(dev, 0, K1),
+        chunk_token_idx=_empty(dev, 0, chunk_size), token_chunk_pos=_empty(dev, 0),
+        row_chunks=_empty(dev, 0, 0), row_num_chunks=_empty(dev, 0),
+        page_table=page_table, slot_mapping=view("slot_mapping"), logits_idx=view("logits_idx"),
+        num_prefill_snapshots=0, num_decode_snapshots=bs if snapshots else 0, num_restores=0,
+        snap_chunk=_empty(dev, 0), snap_conv_idx=_empty(dev, 0, K1), snap_dst=_empty(dev, 0),
+        decode_snap_dst=view("decode_snap_dst"), cow_src=_empty(dev, 0), cow_dst=_empty(dev, 0),
+    )
+
+
+def attention_workspace_bytes(cfg, bs: int, max_kv_len: int) -> int:
+    """Rough size of the reference paged attention's gathered K and V (float32, heads repeated)
+    for one decode forward: the graph's max_kv_len is max_model_len, so this bounds which
+    buckets are worth capturing while attention is the reference op."""
+    if not cfg.attention_layer_ids:
+        return 0
+    return 2 * bs * max_kv_len * cfg.num_attention_heads * cfg.head_dim * 4
+
+
+class CudaGraphRunner:
+    """Captures and replays decode forwards. `capture=False` (and always on a CPU) runs the same
+    static-buffer forward eagerly: the host logic is then testable without a GPU."""
+
+    def __init__(self, model: torch.nn.Module, state_pool, kv_pool, *, max_bs: int,
+                 max_model_len: int, snapshots: bool, device: torch.device, step: int = 8,
+                 capture: bool = True, max_workspace_bytes: int = 8 << 30) -> None:
+        self.model, self.state_pool, self.kv_pool = model, state_pool, kv_pool
+        self.device = torch.device(device)
+        cfg = model.cfg
+        self.page_size, self.scratch_page = kv_pool.page_size, kv_pool.scratch_page
+        self.max_pages = -(-max_model_len // self.page_size)
+        self.max_kv_len = self.max_pages * self.page_size
+        self.snapshots = snapshots
+        buckets = bucket_sizes(max_bs, step)
+        from mambaserve.ops.triton import triton_available
+
+        # the reference attention gathers max_kv_len keys per token; the Triton kernel does not
+        ref_attention = not (self.device.type == "cuda" and triton_available())
+        kept = [b for b in buckets if not ref_attention
+                or attention_workspace_bytes(cfg, b, self.max_kv_len) <= max_workspace_bytes]
+        if len(kept) < len(buckets):
+            logger.warning("CUDA graphs: buckets above %s skipped (reference attention over "
+                           "max_model_len=%d would gather > %.1f GiB); larger batches run eagerly",
+                           kept[-1] if kept else 0, max_model_len, max_workspace_bytes / 2**30)
+        self.buckets = kept
+        self.max_bs = kept[-1] if kept else 0
+        self.layout = StaticLayout(max(self.max_bs, 1), self.max_pages)
+        self.buf = torch.zeros(self.layout.total, dtype=torch.int64, device=self.device)
+        self.logits = torch.zeros(max(self.max_bs, 1), cfg.vocab_size, dtype=torch.float32,
+                                  device=self.device)
+        self.metas = {b: graph_metadata(self.buf, self.layout, b, max_kv_len=self.max_kv_len,
+                                        conv_kernel=cfg.conv_kernel, chunk_size=cfg.chunk_size,
+                                        snapshots=snapshots) for b in self.buckets}
+        self.capture_enabled = capture and self.device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    # ---- routing ----------------------------------------------------------------------------
+    def can_run(self, plan: BatchPlan, num_prompt_targets: int = 0) -> bool:
+        """Decode-only, fits a bucket, no prompt logprobs / restores, snapshots only if captured."""
+        if plan.prefills or not plan.decodes or len(plan.decodes) > self.max_bs:
+            return False
+        if num_prompt_targets:
+            return False
+        for r in plan.decodes:
+            if r.restore_from >= 0 or len(r.pages) > self.max_pages or r.num_tokens != 1:
+                return False
+            if r.snapshots and not self.snapshots:
+                return False
+        return True
+
+    # ---- capture ----------------------------------------------------------------------------
+    def _forward(self, bs: int) -> None:
+        out = self.model(self.metas[bs], self.state_pool.conv_state, self.state_pool.ssm_state,
+                         self.kv_pool.kv_cache)
+        self.logits[:bs].copy_(out)
+
+    def _load(self, plan: BatchPlan, bs: int, sample_rows: list[int] | None) -> None:
+        host = torch.from_numpy(pack_decode_batch(
+            plan, bs, self.layout, page_size=self.page_size, scratch_page=self.scratch_page,
+            sample_rows=sample_rows))
+        dst = self.buf[: host.numel()]
+        if self.device.type == "cuda":
+            dst.copy_(host.pin_memory(), non_blocking=True)  # the one upload of the step
+        else:
+            dst.copy_(host)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket (largest first, one shared memory pool). The capture batches are
+        all padding rows: they touch only the scratch state slot and the scratch KV page."""
+        if not self.capture_enabled:
+            return
+        from mambaserve.metadata import RowPlan
+
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for bs in reversed(self.buckets):
+            pad = BatchPlan([], [RowPlan([0], 0, -1, True, [])])
+            self._load(pad, bs, [])
+            torch.cuda.synchronize(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: Triton compile/autotune, allocator
+                for _ in range(2):
+                    self._forward(bs)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._forward(bs)
+            self.graphs[bs] = g
+        torch.cuda.synchronize(self.device)
+        logger.info("CUDA graphs captured for decode batch sizes %s (max_kv_len %d)",
+                    self.buckets, self.max_kv_len)
+
+    # ---- replay -----------------------------------------------------------------------------
+    def run(self, plan: BatchPlan, sample_rows: list[int]) -> tuple[ForwardMetadata, torch.Tensor]:
+        """Upload the batch, replay (or run) bucket's forward; returns (metadata whose
+        extra['sample_logit_idx'] indexes the returned logits, logits [n, vocab])."""
+        assert plan.prefills == [] and len(plan.decodes) > 0, (
+            "CUDA-graph path needs a decode-only batch (num_decodes == batch size)")
+        n = len(plan.decodes)
+        bs = choose_bucket(self.buckets, n)
+        self._load(plan, bs, sample_rows)
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+        else:
+            self._forward(bs)
+        meta = self.metas[bs]
+        o = self.layout.offset("sample_idx")
+        empty = self.buf[:0]
+        meta = dataclasses.replace(meta, extra={
+            "sample_logit_idx": self.buf[o: o + len(sample_rows)],
+            "prompt_targets": empty, "prompt_logit_idx": empty})
+        return meta, self.logits[:n]

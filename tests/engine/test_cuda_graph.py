@@ -1,0 +1,174 @@
+"""Decode CUDA graphs: host logic (buckets, packing, padding, slicing, routing) on the CPU; the
+static-buffer path against eager decoding on the CPU (uncaptured); graph replay on a GPU."""
+
+import pytest
+import torch
+
+from mambaserve import LLM, SamplingParams
+from mambaserve.engine.cuda_graph import (
+    ROW_FIELDS,
+    StaticLayout,
+    bucket_sizes,
+    choose_bucket,
+    graph_metadata,
+    pack_decode_batch,
+)
+from mambaserve.metadata import BatchPlan, RowPlan
+
+PS, SCRATCH = 4, 99
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(3) == [1, 2, 3]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    b = bucket_sizes(256, step=16)
+    assert b[:6] == [1, 2, 4, 8, 16, 32] and b[-1] == 256 and all(x % 16 == 0 for x in b[4:])
+    with pytest.raises(ValueError):
+        bucket_sizes(0)
+
+
+def test_choose_bucket():
+    b = bucket_sizes(32)
+    assert [choose_bucket(b, n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 24, 32]
+    with pytest.raises(ValueError):
+        choose_bucket(b, 33)
+
+
+def decode_row(tok, ctx, slot, pages, snap=None):
+    return RowPlan([tok], ctx, slot, True, pages, [0], [(ctx + 1, snap)] if snap is not None else [])
+
+
+def fields(buf, layout, bs):
+    out = {n: buf[layout.offset(n): layout.offset(n) + layout.max_bs] for n in ROW_FIELDS}
+    out["page_table"] = buf[layout.offset("page_table"):].reshape(bs, layout.max_pages)
+    return out
+
+
+def test_pack_pads_rows_to_the_bucket():
+    layout = StaticLayout(max_bs=8, max_pages=3)
+    plan = BatchPlan([], [decode_row(7, 5, 2, [10, 11]), decode_row(9, 0, 4, [12], snap=6)])
+    buf = pack_decode_batch(plan, 4, layout, page_size=PS, scratch_page=SCRATCH)
+    assert buf.shape == (layout.prefix_len(4),) == (8 * 8 + 4 * 3,)
+    f = fields(buf, layout, 4)
+    assert f["input_ids"][:4].tolist() == [7, 9, 0, 0]
+    assert f["positions"][:4].tolist() == [5, 0, 0, 0]
+    assert f["state_slots"].tolist() == [2, 4] + [-1] * 6  # padding rows skip (-1)
+    assert f["decode_snap_dst"].tolist() == [-1, 6] + [-1] * 6
+    assert f["slot_mapping"][:4].tolist() == [11 * PS + 1, 12 * PS, SCRATCH * PS, SCRATCH * PS]
+    assert f["page_table"].tolist() == [[10, 11, SCRATCH], [12, SCRATCH, SCRATCH],
+                                        [SCRATCH] * 3, [SCRATCH] * 3]
+    assert f["logits_idx"][:4].tolist() == [0, 1, 2, 3]
+    assert f["token_row"][:4].tolist() == [0, 1, 2, 3]
+    assert f["sample_idx"][:2].tolist() == [0, 1]
+
+
+def test_pack_refuses_mixed_batches():
+    layout = StaticLayout(max_bs=4, max_pages=2)
+    prefill = RowPlan([1, 2, 3], 0, 0, False, [0], [2])
+    plan = BatchPlan([prefill], [decode_row(7, 5, 2, [1, 2])])
+    with pytest.raises(AssertionError, match="prefill row"):
+        pack_decode_batch(plan, 2, layout, page_size=PS, scratch_page=SCRATCH)
+
+
+def test_pack_refuses_rows_beyond_the_graph():
+    layout = StaticLayout(max_bs=4, max_pages=1)
+    plan = BatchPlan([], [decode_row(7, 5, 2, [1, 2])])
+    with pytest.raises(ValueError, match="pages"):
+        pack_decode_batch(plan, 1, layout, page_size=PS, scratch_page=SCRATCH)
+
+
+def test_metadata_views_are_sliced_to_the_bucket():
+    layout = StaticLayout(max_bs=8, max_pages=3)
+    buf = torch.zeros(layout.total, dtype=torch.int64)
+    meta = graph_metadata(buf, layout, 2, max_kv_len=12, conv_kernel=4, chunk_size=8,
+                          snapshots=True)
+    for name in ("input_ids", "positions", "token_row", "state_slots", "slot_mapping",
+                 "decode_snap_dst", "logits_idx"):
+        t = getattr(meta, name)
+        assert t.shape == (2,), name
+        assert t.data_ptr() == buf.data_ptr() + 8 * layout.offset(name), name
+    assert meta.page_table.shape == (2, 3)
+    assert meta.page_table.data_ptr() == buf.data_ptr() + 8 * layout.offset("page_table")
+    assert (meta.num_prefills, meta.num_decodes, meta.num_tokens, meta.num_logits) == (0, 2, 2, 2)
+    assert meta.max_kv_len == 12 and meta.num_decode_snapshots == 2
+    assert meta.decode_state_slots.shape == (2,)
+    # the packed prefix lands where the views look
+    plan = BatchPlan([], [decode_row(7, 5, 2, [1, 2])])
+    host = pack_decode_batch(plan, 2, layout, page_size=PS, scratch_page=SCRATCH)
+    buf[: host.size] = torch.from_numpy(host)
+    assert meta.input_ids.tolist() == [7, 0] and meta.state_slots.tolist() == [2, -1]
+    assert meta.page_table.tolist() == [[1, 2, SCRATCH], [SCRATCH] * 3]
+    no_snap = graph_metadata(buf, layout, 2, max_kv_len=12, conv_kernel=4, chunk_size=8,
+                             snapshots=False)
+    assert no_snap.num_decode_snapshots == 0
+
+
+def _generate(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 33)]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_static_buffer_path_matches_eager_on_cpu(tiny_ckpt, prefix):
+    """Same tokens through the graph runner's static, padded, sliced buffers (uncaptured on a
+    CPU) as through eager metadata; the graph path really serves the decode steps."""
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24,
+              "enable_prefix_caching": prefix}
+    eager = LLM(tiny_ckpt, **kw)
+    graph = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, **kw)
+    gr = graph.engine.runner.graph_runner
+    assert eager.engine.runner.graph_runner is None and gr is not None
+    assert gr.buckets == [1, 2, 4] and gr.max_kv_len == 96
+    sizes = []
+    run = gr.run
+    gr.run = lambda plan, rows: (sizes.append(len(plan.decodes)), run(plan, rows))[1]
+    prompts = _prompts()
+    assert _generate(graph, prompts, params) == _generate(eager, prompts, params)
+    assert sizes and 3 in sizes  # bucket 4 with one padding row was used
+    if prefix:  # second turn over a cached prefix: snapshots and restores stay consistent
+        again = [p + [5] * 20 for p in prompts]
+        assert _generate(graph, again, params) == _generate(eager, again, params)
+        graph.engine.check_integrity()
+
+
+def test_mixed_batches_run_eagerly(tiny_ckpt):
+    llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, max_model_len=96,
+              max_num_seqs=4, chunked_prefill_size=24)
+    gr = llm.engine.runner.graph_runner
+    seen = []
+    run = gr.run
+    gr.run = lambda plan, rows: (seen.append(plan), run(plan, rows))[1]
+    prompts = _prompts()
+    _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert seen and all(not p.prefills for p in seen)
+    assert llm.engine.stats["mixed_steps"] > 0  # mixed steps happened, none reached the graph
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefix", [False, True])
+def test_cuda_graph_matches_eager_on_gpu(tiny_ckpt, prefix):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = {"device": "cuda", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
+              "chunked_prefill_size": 32, "enable_prefix_caching": prefix,
+              "memory_budget_bytes": 64 << 20}
+    eager = LLM(tiny_ckpt, **kw)
+    graph = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=8, **kw)
+    gr = graph.engine.runner.graph_runner
+    assert sorted(gr.graphs) == [1, 2, 4, 8]
+    prompts = _prompts() + [p[:7] for p in _prompts()]
+    assert _generate(graph, prompts, params) == _generate(eager, prompts, params)
+    if prefix:
+        again = [p + [5] * 20 for p in prompts]
+        assert _generate(graph, again, params) == _generate(eager, again, params)
+        graph.engine.check_integrity()
