@@ -116,15 +116,22 @@ CASES = [  # (page_size, H, Hkv, Dh)
 ]
 
 
+VARIANTS = {"token": {}, "tiled": {"tiled": True, "block_m": 16}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("page_size,H,Hkv,Dh", CASES)
-def test_paged_attention_fp32(page_size, H, Hkv, Dh):
-    out, ref = _run(PREFILLS, DECODES, page_size, H, Hkv, Dh, torch.float32, seed=Dh + H)
+def test_paged_attention_fp32(page_size, H, Hkv, Dh, variant):
+    out, ref = _run(PREFILLS, DECODES, page_size, H, Hkv, Dh, torch.float32, seed=Dh + H,
+                    **VARIANTS[variant])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("page_size,H,Hkv,Dh", [(4, 8, 2, 64), (16, 4, 1, 16)])
-def test_paged_attention_fp16(page_size, H, Hkv, Dh):
-    out, ref = _run(PREFILLS, DECODES, page_size, H, Hkv, Dh, torch.float16, seed=7)
+def test_paged_attention_fp16(page_size, H, Hkv, Dh, variant):
+    out, ref = _run(PREFILLS, DECODES, page_size, H, Hkv, Dh, torch.float16, seed=7,
+                    **VARIANTS[variant])
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
@@ -135,7 +142,20 @@ def test_paged_attention_only_decodes_block_spans_pages():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_ignores_nonfinite_stale_slots():
+@pytest.mark.parametrize("rep,block_m", [(1, 16), (3, 16), (2, 64)])
+def test_paged_attention_tiled_tiles(rep, block_m):
+    """Tiled kernel: tiles spanning row boundaries and several decode rows, a head group that
+    does not divide the tile (3 heads in 16 query rows -> 5 tokens per tile), an empty-tail tile,
+    a zero-token prefill row between two rows."""
+    prefills = [(0, 23), (4, 0), (7, 10), (30, 2)]
+    decodes = [(c, 1) for c in (0, 3, 12, 5, 40)]
+    out, ref = _run(prefills, decodes, 4, 2 * rep, 2, 16, torch.float32, seed=rep,
+                    tiled=True, block_m=block_m)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_paged_attention_ignores_nonfinite_stale_slots(tiled):
     """NaN/inf in slots past a token's position (stale pages, tail of its last page) never leak."""
     page_size, H, Hkv, Dh = 4, 2, 1, 16
     meta = _meta([_row(3, 2, 0, [2, 0])], [_row(1, 5, 1, [1, 3])], page_size, 4)
@@ -145,7 +165,7 @@ def test_paged_attention_ignores_nonfinite_stale_slots():
     kv[:, 4] = float("nan")  # scratch
     q = torch.randn(meta.num_tokens, H, Dh).to(DEV)
     out = paged_attention_triton(q, kv, meta.page_table, meta.token_row, meta.positions,
-                                 meta.max_kv_len, 0.25)
+                                 meta.max_kv_len, 0.25, tiled=tiled)
     assert torch.isfinite(out).all()
     clean = kv.nan_to_num(0.0, 0.0, 0.0)
     ref = paged_attention_ref(q, clean, meta.page_table, meta.token_row, meta.positions,
@@ -169,9 +189,11 @@ def _rel(a, b):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("prefills,decodes", [
-    ([(0, 512), (300, 200), (17, 1000)], [(c, 1) for c in (0, 15, 16, 999, 2047, 4000)]),
+    # sized for the reference, which materializes [T, max_kv_len, H, head_dim] fp32 K and V
+    ([(0, 128), (300, 100), (17, 200)], [(c, 1) for c in (0, 15, 16, 999, 1500)]),
     ([], [(c, 1) for c in range(0, 8192, 97)]),
 ], ids=["mixed", "decode64"])
 def test_paged_attention_nemotron_bf16_gpu(prefills, decodes):
-    out, ref = _run(prefills, decodes, 16, 40, 8, 128, torch.bfloat16, seed=11)
-    assert _rel(out, ref) < 1e-2, _rel(out, ref)
+    for tiled in (False, True):
+        out, ref = _run(prefills, decodes, 16, 40, 8, 128, torch.bfloat16, seed=11, tiled=tiled)
+        assert _rel(out, ref) < 1e-2, (tiled, _rel(out, ref))

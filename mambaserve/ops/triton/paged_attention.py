@@ -107,10 +107,75 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mq)
 
 
+@triton.jit
+def _paged_attention_tiled_kernel(
+    q_ptr, kv_ptr, pt_ptr, row_ptr, pos_ptr, out_ptr, scale, page_size, Dh, REP, T, TPB,
+    q_t, q_h, q_d, c_kv, c_p, c_s, c_h, c_d, pt_r, pt_p, o_t, o_h, o_d,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IP: tl.constexpr,
+):
+    """TPB consecutive tokens x the REP query heads of one KV head, flattened into BLOCK_M query
+    rows (row m = token m // REP, head m % REP). The tile may span several batch rows: it makes
+    one pass over the keys of each batch row present, updating only that row's queries."""
+    g = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = tl.program_id(0).to(tl.int64) * TPB + offs_m // REP
+    act = (offs_m < TPB * REP) & (tok < T)
+    heads = g * REP + offs_m % REP
+    md = offs_d < Dh
+    mq = act[:, None] & md[None, :]
+    q = tl.load(q_ptr + tok[:, None] * q_t + heads[:, None] * q_h + offs_d[None, :] * q_d,
+                mask=mq, other=0.0)
+    q = q.to(kv_ptr.dtype.element_ty)
+    rows = tl.load(row_ptr + tok, mask=act, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok, mask=act, other=-1).to(tl.int64)
+    r_lo = tl.min(tl.where(act, rows, 1 << 62), axis=0)
+    r_hi = tl.max(tl.where(act, rows, -1), axis=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    head_off = g * c_h
+    for rr in range(r_lo, r_hi + 1):
+        in_row = act & (rows == rr)
+        end = tl.max(tl.where(in_row, pos, -1), axis=0) + 1
+        pt_row = pt_ptr + rr * pt_r
+        for start in range(0, end, BLOCK_N):
+            j = start + offs_n
+            mj = j < end
+            page = tl.load(pt_row + (j // page_size) * pt_p, mask=mj, other=0).to(tl.int64)
+            base = page * c_p + (j % page_size) * c_s + head_off
+            mk = mj[:, None] & md[None, :]
+            kp = kv_ptr + base[:, None] + offs_d[None, :] * c_d
+            k = tl.load(kp, mask=mk, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=IP) * scale
+            vis = in_row[:, None] & (j[None, :] <= pos[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows not seen yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(kp + c_kv, mask=mk, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IP)
+            m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * o_t + heads[:, None] * o_h + offs_d[None, :] * o_d,
+             out.to(out_ptr.dtype.element_ty), mask=mq)
+
+
 def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv_len, scale, *,
-                           block_n: int | None = None, num_warps: int | None = None):
+                           tiled: bool = False, block_m: int = 64, block_n: int | None = None,
+                           num_warps: int | None = None):
     """Same contract as `mambaserve.ops.paged_attention.paged_attention` (`max_kv_len` unused:
-    each token's loop stops at its own position)."""
+    each token's loop stops at its own position).
+
+    `tiled=True` selects the prefill-oriented kernel: one program per block of
+    max(1, block_m // (H / H_kv)) consecutive tokens and one KV head, so a prefill row's K/V is
+    read once per token block instead of once per token. Opt-in: the launcher has no host-side
+    count of prefill tokens, and for decode tokens (one per row) the per-token kernel has more
+    parallelism; untimed on a GPU so far."""
     T, H, Dh = q.shape
     _, _, page_size, Hkv, Dk = kv_cache.shape
     assert Dk == Dh and H % Hkv == 0, (q.shape, kv_cache.shape)
@@ -122,9 +187,20 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
     BLOCK_G = max(16, triton.next_power_of_2(rep))
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
     BLOCK_N = block_n or max(16, min(64, triton.next_power_of_2(page_size)))
+    IP = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    if tiled:
+        BLOCK_M = max(16, triton.next_power_of_2(block_m), triton.next_power_of_2(rep))
+        tpb = max(1, BLOCK_M // rep)
+        if num_warps is None:
+            num_warps = 4
+        _paged_attention_tiled_kernel[(triton.cdiv(T, tpb), Hkv)](
+            q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh, rep,
+            T, tpb, *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, num_warps=num_warps,
+        )
+        return out
     if num_warps is None:
         num_warps = 4 if BLOCK_D * BLOCK_N >= 4096 else 2
-    IP = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     _paged_attention_kernel[(T, Hkv)](
         q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh, rep,
         *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
