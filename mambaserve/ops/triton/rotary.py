@@ -1,11 +1,12 @@
 """Triton rotary embedding (same contract as `mambaserve.ops.rotary.apply_rotary`; OUT-OF-PLACE:
 returns new contiguous q and k, inputs are not modified).
 
-Grid: (tokens, head blocks), launched once for q and once for k. One program computes the
-token's angles `positions[t] * inv_freq` in float32 (inv_freq is computed by torch on the device
-exactly as the reference does, so angles match bit for bit), rotates the pairs of BLOCK_H heads
-(NeoX: channel i with i + rotary_dim/2; GPT-J: 2i with 2i + 1) in float32 and copies the channels
-past rotary_dim unchanged.
+The launcher computes the [T, rotary_dim / 2] float32 cos/sin table with torch on the device,
+exactly as the reference does (a few small ops, no host read-back, so bit-identical angles and no
+dependence on how the GPU backend lowers tl.cos / tl.sin for angles of thousands of radians).
+Grid: (tokens, head blocks), launched once for q and once for k. One program rotates the pairs of
+BLOCK_H heads of one token (NeoX: channel i with i + rotary_dim/2; GPT-J: 2i with 2i + 1) in
+float32 and copies the channels past rotary_dim unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from mambaserve.ops.rotary import _check, rotary_inv_freq
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, out_ptr, pos_ptr, inv_ptr, H, D, HALF,
+    x_ptr, out_ptr, cos_ptr, sin_ptr, H, D, HALF,
     x_t, x_h, x_d, o_t, o_h, o_d,
     NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_REST: tl.constexpr,
@@ -29,10 +30,8 @@ def _rotary_kernel(
     offs_i = tl.arange(0, BLOCK_HALF)
     mh = offs_h < H
     mi = offs_i < HALF
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    ang = pos * tl.load(inv_ptr + offs_i, mask=mi, other=0.0)
-    c = tl.cos(ang)[None, :]
-    s = tl.sin(ang)[None, :]
+    c = tl.load(cos_ptr + t * HALF + offs_i, mask=mi, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * HALF + offs_i, mask=mi, other=0.0)[None, :]
     if NEOX:
         d1 = offs_i
         d2 = offs_i + HALF
@@ -56,7 +55,7 @@ def _rotary_kernel(
             tl.store(ob + offs_r[None, :] * o_d, xr, mask=mr)
 
 
-def _launch(x, positions, inv_freq, rotary_dim, neox, block_h):
+def _launch(x, cos, sin, rotary_dim, neox, block_h):
     T, H, D = x.shape
     out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     if T == 0 or H == 0:
@@ -69,7 +68,7 @@ def _launch(x, positions, inv_freq, rotary_dim, neox, block_h):
     BLOCK_REST = min(BLOCK_REST, 64)
     num_warps = max(1, min(4, BLOCK_H * BLOCK_HALF // 256))
     _rotary_kernel[(T, triton.cdiv(H, BLOCK_H))](
-        x, out, positions, inv_freq, H, D, half, *x.stride(), *out.stride(),
+        x, out, cos, sin, H, D, half, *x.stride(), *out.stride(),
         NEOX=bool(neox), BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, BLOCK_REST=BLOCK_REST,
         num_warps=num_warps,
     )
@@ -81,5 +80,7 @@ def apply_rotary_triton(q, k, positions, theta, rotary_dim, neox=True, *,
     """Same contract as `mambaserve.ops.rotary.apply_rotary` (out-of-place)."""
     _check(q, k, positions, rotary_dim)
     inv_freq = rotary_inv_freq(theta, rotary_dim, q.device)
-    return (_launch(q, positions, inv_freq, rotary_dim, neox, block_h),
-            _launch(k, positions, inv_freq, rotary_dim, neox, block_h))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2], as the ref
+    cos, sin = freqs.cos(), freqs.sin()
+    return (_launch(q, cos, sin, rotary_dim, neox, block_h),
+            _launch(k, cos, sin, rotary_dim, neox, block_h))
