@@ -84,7 +84,7 @@ def _server_commands(sub) -> None:
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks: serve")
+    b = sub.add_parser("bench", help="benchmarks: serve | one-batch | ab")
     b_sub = b.add_subparsers(dest="bench_command", required=True)
     bs = b_sub.add_parser("serve", help="online serving benchmark against a running server")
     from mambaserve.bench.serve import add_args
@@ -92,6 +92,15 @@ def _server_commands(sub) -> None:
     add_args(bs)
     bs.set_defaults(func=lambda ns: __import__(
         "mambaserve.bench.serve", fromlist=["run_cli"]).run_cli(ns))
+    from mambaserve.bench import ab, one_batch
+
+    ob = b_sub.add_parser("one-batch", help="one batch in-process: prefill MFU, decode bandwidth")
+    one_batch.add_args(ob)
+    ob.set_defaults(func=one_batch.run_cli)
+    abp = b_sub.add_parser("ab", help="A/B of two engine settings: interleaved rounds, drift "
+                                      "control (A vs A)")
+    ab.add_args(abp)
+    abp.set_defaults(func=ab.run_cli)
 
 
 def main(argv: list[str] | None = None) -> int:

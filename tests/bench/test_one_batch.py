@@ -1,0 +1,140 @@
+"""bench one-batch: settings parsing, preset checkpoints through the real loader, a CPU smoke
+run of both backends and the CLI."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from mambaserve.bench.one_batch import (
+    OneBatchConfig,
+    copy_ceiling,
+    decode_step_bytes,
+    format_result,
+    matmul_ceiling,
+    parse_settings,
+    run_one_batch,
+)
+from mambaserve.bench.presets import (
+    PRESETS,
+    checkpoint_name,
+    param_count,
+    preset_config,
+    write_checkpoint,
+)
+from mambaserve.config import ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def _forget_bench_serve():
+    """NOTE: bench/serve.py binds `file=sys.stdout` as a default argument when first imported,
+    and `mambaserve.cli.main` imports it. Imported first by a test here, it would print into
+    this test's stream later on, and tests/bench/test_serve_bench.py (which reads its own
+    capsys) would fail; so a module imported here is forgotten afterwards."""
+    had = "mambaserve.bench.serve" in sys.modules
+    yield
+    if not had and sys.modules.pop("mambaserve.bench.serve", None) is not None:
+        import mambaserve.bench
+
+        mambaserve.bench.__dict__.pop("serve", None)
+
+
+def test_parse_settings_types_values_by_field():
+    s = parse_settings("enforce_eager=false, mamba_ssm_dtype=bfloat16,cuda_graph_max_bs=32,"
+                       "max_model_len=none,enable_prefix_caching=1,gpu_memory_utilization=0.5")
+    assert s == {"enforce_eager": False, "mamba_ssm_dtype": "bfloat16", "cuda_graph_max_bs": 32,
+                 "max_model_len": None, "enable_prefix_caching": True,
+                 "gpu_memory_utilization": 0.5}
+    assert parse_settings("") == {} and parse_settings(None) == {}
+    assert parse_settings("max_model_len=64") == {"max_model_len": 64}
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        parse_settings("no_such=1")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_settings("enforce_eager")
+    with pytest.raises(ValueError, match="true/false"):
+        parse_settings("enforce_eager=maybe")
+
+
+def test_nano_preset_shapes():
+    cfg = preset_config("nemotron-nano-9b-v2")
+    m = ModelConfig.from_dict(cfg)
+    assert m.num_layers == 56 and len(m.mamba_layer_ids) == 27
+    assert len(m.attention_layer_ids) == 4 and m.pattern.count("-") == 25
+    assert (m.hidden_size, m.intermediate_size, m.vocab_size) == (4480, 15680, 131072)
+    assert (m.num_attention_heads, m.num_kv_heads, m.head_dim) == (40, 8, 128)
+    assert (m.mamba_num_heads, m.mamba_head_dim, m.ssm_state_size, m.n_groups) == (128, 80, 128, 8)
+    assert (m.conv_kernel, m.chunk_size) == (4, 128)
+    assert abs(param_count(cfg) - 8.89e9) < 0.01e9
+    cfg["hidden_size"] = 1  # a copy: the preset itself is untouched
+    assert PRESETS["nemotron-nano-9b-v2"]["hidden_size"] == 4480
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset_config("nope")
+
+
+def test_checkpoint_names():
+    assert checkpoint_name("layers.0.mixer.conv_weight") == "backbone.layers.0.mixer.conv1d.weight"
+    assert checkpoint_name("layers.3.mixer.norm_weight") == "backbone.layers.3.mixer.norm.weight"
+    assert checkpoint_name("embeddings.weight") == "backbone.embeddings.weight"
+    assert checkpoint_name("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("shard_bytes", [4 << 30, 60_000])
+def test_preset_checkpoint_loads_through_the_loader(tmp_path, shard_bytes):
+    from safetensors import safe_open
+
+    from mambaserve.models.loader import load_model
+
+    path = write_checkpoint(preset_config("tiny"), tmp_path / "ck", dtype=torch.bfloat16,
+                            shard_bytes=shard_bytes)
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    assert (len(files) == 1) == (shard_bytes > 1e6)
+    assert (path / "model.safetensors.index.json").exists() == (len(files) > 1)
+    with safe_open(str(path / files[0]), "pt") as f:
+        keys = list(f.keys())
+        assert all(k.startswith(("backbone.", "lm_head.")) for k in keys)
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in keys)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["hybrid_override_pattern"] == "M-M*-M-" and cfg["torch_dtype"] == "bfloat16"
+    model = load_model(path, torch.bfloat16, "cpu")  # raises on missing / misshaped tensors
+    assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
+    assert torch.isfinite(model.lm_head.weight.float()).all()
+
+
+def test_ceilings_and_bytes():
+    mm = matmul_ceiling(torch.device("cpu"), torch.float32, n=64)
+    cp = copy_ceiling(torch.device("cpu"), nbytes=1 << 20)
+    assert mm["flops"] > 0 and cp["bytes_per_s"] > 0
+    m = ModelConfig.from_dict(preset_config("nemotron-nano-9b-v2"))
+    b = decode_step_bytes(m, 17_776_454_656, 1, 0, torch.bfloat16, torch.float32)
+    # weights + 2 x (27 layers x fp32 SSM state 128 x 80 x 128 + bf16 conv state)
+    state = 27 * (128 * 80 * 128 * 4 + 3 * (128 * 80 + 2 * 8 * 128) * 2)
+    assert b == 17_776_454_656 + 2 * state
+
+
+@pytest.mark.parametrize("backend", ["mambaserve", "hf"])
+def test_one_batch_tiny_on_cpu(backend, tmp_path):
+    logs = []
+    r = run_one_batch(OneBatchConfig(preset="tiny", batch_size=2, input_len=24, output_len=5,
+                                     backend=backend, dtype="float32",
+                                     save_reload=str(tmp_path / "ck")), log=logs.append)
+    assert (tmp_path / "ck" / "config.json").exists()  # --save-reload keeps the checkpoint
+    assert r.prefill_s > 0 and r.prefill_tokens_per_s > 0 and 0 < r.prefill_mfu
+    assert len(r.decode_steps) == 4 and r.decode_step_s > 0 and r.decode_tokens_per_s > 0
+    assert r.decode_bandwidth_fraction > 0 and "CPU" in r.note
+    text = format_result(r)
+    assert "MFU" in text and "GB/s" in text and "CPU" in logs[0]
+
+
+def test_one_batch_cli(tmp_path, capsys):
+    from mambaserve.cli import main
+
+    out = tmp_path / "r.json"
+    rc = main(["bench", "one-batch", "--preset", "tiny", "--batch-size", "2", "--input-len", "16",
+               "--output-len", "3", "--device", "cpu", "--dtype", "float32", "--out", str(out),
+               "--engine", "enforce_eager=false"])
+    assert rc == 0
+    assert "prefill:" in capsys.readouterr().out
+    assert json.loads(out.read_text())["batch_size"] == 2
+    assert main(["bench", "one-batch", "--preset", "tiny", "--device", "cpu",
+                 "--engine", "bogus=1"]) == 2
