@@ -232,7 +232,9 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
     return summarize(cfg, list(results), duration, model)
 
 
-def print_summary(res: dict, file=sys.stdout) -> None:
+def print_summary(res: dict, file=None) -> None:
+    file = file or sys.stdout  # looked up per call: pytest swaps sys.stdout per test
+
     def row(name: str, v) -> None:
         print(f"{name:<34}{v:>14.2f}" if isinstance(v, float) else f"{name:<34}{v!s:>14}",
               file=file)
