@@ -2,25 +2,8 @@
 smoke run on the tiny preset."""
 
 import json
-import sys
-
-import pytest
 
 from mambaserve.bench.ab import ABConfig, analyze, format_report, range_seed, run_ab, schedule
-
-
-@pytest.fixture(autouse=True)
-def _forget_bench_serve():
-    """NOTE: bench/serve.py binds `file=sys.stdout` as a default argument when first imported,
-    and `mambaserve.cli.main` imports it. Imported first by a test here, it would print into
-    this test's stream later on, and tests/bench/test_serve_bench.py (which reads its own
-    capsys) would fail; so a module imported here is forgotten afterwards."""
-    had = "mambaserve.bench.serve" in sys.modules
-    yield
-    if not had and sys.modules.pop("mambaserve.bench.serve", None) is not None:
-        import mambaserve.bench
-
-        mambaserve.bench.__dict__.pop("serve", None)
 
 
 def test_schedule_interleaves_and_balances():

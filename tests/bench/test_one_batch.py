@@ -2,7 +2,6 @@
 run of both backends and the CLI."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -24,20 +23,6 @@ from mambaserve.bench.presets import (
     write_checkpoint,
 )
 from mambaserve.config import ModelConfig
-
-
-@pytest.fixture(autouse=True)
-def _forget_bench_serve():
-    """NOTE: bench/serve.py binds `file=sys.stdout` as a default argument when first imported,
-    and `mambaserve.cli.main` imports it. Imported first by a test here, it would print into
-    this test's stream later on, and tests/bench/test_serve_bench.py (which reads its own
-    capsys) would fail; so a module imported here is forgotten afterwards."""
-    had = "mambaserve.bench.serve" in sys.modules
-    yield
-    if not had and sys.modules.pop("mambaserve.bench.serve", None) is not None:
-        import mambaserve.bench
-
-        mambaserve.bench.__dict__.pop("serve", None)
 
 
 def test_parse_settings_types_values_by_field():
