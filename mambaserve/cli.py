@@ -26,6 +26,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "decode-only batches through CUDA graphs (docs/cuda_graphs.md)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch captured in a CUDA graph")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights at the config's shapes (benchmarks; the model "
+                        "folder needs only config.json)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -35,7 +38,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 mamba_ssm_dtype=a.mamba_ssm_dtype, memory_budget_bytes=budget,
                 enable_prefix_caching=a.enable_prefix_caching,
                 mamba_snapshot_interval=a.mamba_snapshot_interval,
-                enforce_eager=a.enforce_eager, cuda_graph_max_bs=a.cuda_graph_max_bs)
+                enforce_eager=a.enforce_eager, cuda_graph_max_bs=a.cuda_graph_max_bs,
+                load_format=a.load_format)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -277,6 +277,8 @@ class EngineConfig:
     # on a GPU (docs/cuda_graphs.md); False on a CPU runs the static-buffer path uncaptured.
     enforce_eager: bool = True
     cuda_graph_max_bs: int = 256
+    # "auto": safetensors weights; "dummy": random weights at the config's shapes (benchmarks)
+    load_format: str = "auto"
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -285,6 +287,8 @@ class EngineConfig:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -55,6 +55,9 @@ def main() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, prompt_logprobs=0)
     for name, kw in [("fp32", dict(dtype="float32")),
                      ("fp32_prefix_cache", dict(dtype="float32", enable_prefix_caching=True)),
+                     ("fp32_cuda_graphs", dict(dtype="float32", enforce_eager=False)),
+                     ("fp32_cuda_graphs_prefix_cache", dict(dtype="float32", enforce_eager=False,
+                                                            enable_prefix_caching=True)),
                      ("bf16", dict(dtype="bfloat16"))]:
         llm = LLM(ckpt, device=args.device, chunked_prefill_size=16, max_num_seqs=3, **kw)
         t0 = time.perf_counter()

@@ -157,28 +157,31 @@ class _Arm:
 
 
 def run_ab(c: ABConfig, log=print) -> dict:
-    from mambaserve.bench.presets import preset_config, write_checkpoint
-    from mambaserve.config import ModelConfig
+    from mambaserve.bench.presets import preset_config, write_checkpoint, write_config
+    from mambaserve.config import ModelConfig, resolve_dtype
 
     c.validate()
     tmp = None
+    load = {}
     if c.preset:
         if c.save_reload:
             path = Path(c.save_reload)
         else:
             tmp = tempfile.TemporaryDirectory(prefix="mambaserve-ab-")
             path = Path(tmp.name)
-        from mambaserve.config import resolve_dtype
-
         wdtype = torch.bfloat16 if c.dtype == "auto" else resolve_dtype(c.dtype)
-        write_checkpoint(preset_config(c.preset), path, dtype=wdtype, device=c.device,
-                         seed=c.seed)
+        if c.save_reload:  # a full checkpoint through the loader
+            write_checkpoint(preset_config(c.preset), path, dtype=wdtype, device=c.device,
+                             seed=c.seed)
+        else:  # both arms draw the same random weights (same seed) on the device
+            write_config(preset_config(c.preset), path, dtype=wdtype)
+            load = {"load_format": "dummy", "seed": c.seed}
     else:
         path = Path(c.model)
     try:
         vocab = ModelConfig.from_hf(path).vocab_size
         base = {"device": c.device, "dtype": c.dtype, "max_num_seqs": c.num_prompts,
-                "max_model_len": c.input_len + c.output_len + 16, **c.base}
+                "max_model_len": c.input_len + c.output_len + 16, **load, **c.base}
         arms = {"A": _Arm(path, {**base, **c.a}), "B": _Arm(path, {**base, **c.b})}
         log(f"A: {c.a or '(base)'}   B: {c.b or '(base)'}   base: {base}")
         log(f"workload: {c.num_prompts} prompts x {c.input_len} tokens, {c.output_len} output "
@@ -210,7 +213,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default=None, help="HF checkpoint folder")
     src.add_argument("--preset", default=None, help="nemotron-nano-9b-v2 | tiny (random weights)")
     p.add_argument("--save-reload", default=None, metavar="DIR",
-                   help="folder for the preset checkpoint (default: a temporary folder)")
+                   help="write the preset as a full checkpoint into DIR and load it (default: "
+                        "random weights drawn on the device, load_format=dummy)")
     p.add_argument("--a", default="", metavar="K=V,...", help="EngineConfig settings of arm A")
     p.add_argument("--b", default="", metavar="K=V,...", help="EngineConfig settings of arm B")
     p.add_argument("--base", default="", metavar="K=V,...", help="settings of both arms")

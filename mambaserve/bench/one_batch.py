@@ -1,15 +1,17 @@
-"""`mambaserve bench one-batch`: one batch of B prompts of L tokens, O output tokens, measured
-in-process: prefill latency and tokens/s, per-step decode latency (median) and tokens/s, MFU of
-the prefill against a measured bf16 matmul ceiling, achieved bandwidth of a decode step against
-a measured device-to-device copy ceiling.
+"""`mambaserve bench one-batch`: batches of B prompts of L tokens, O output tokens each,
+measured in-process: time to first token of the batch (prefill latency) and prefill tokens/s,
+per-step decode latency (median) and tokens/s, MFU of the prefill against a bf16 matmul ceiling
+and decode bandwidth against a device-to-device copy ceiling, both measured at start.
+`--batch-size` and `--input-len` take comma-separated sweeps; the model is loaded once.
 
     mambaserve bench one-batch --preset nemotron-nano-9b-v2 --device cuda --dtype bfloat16 \\
-        --batch-size 8 --input-len 2048 --output-len 64
+        --batch-size 1,2,4,8,16,32 --input-len 512,2048 --output-len 1
     mambaserve bench one-batch --preset tiny --batch-size 2 --input-len 32 --output-len 8  # CPU
 
-`--preset` writes an HF-format checkpoint (random weights drawn in the target dtype on the
-target device) into `--save-reload DIR` (default: a temporary folder) and loads it back through
-the normal loader. `--backend hf` runs transformers' NemotronHForCausalLM on the same shapes.
+`--preset` builds the real architecture with random weights drawn in the target dtype on the
+device (`load_format="dummy"`: only config.json is written); `--save-reload DIR` instead writes a
+full HF-format safetensors checkpoint into DIR and loads it back through the normal loader.
+`--backend hf` runs transformers' NemotronHForCausalLM on the same shapes (its own random init).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import torch
 class OneBatchConfig:
     model: str | None = None
     preset: str | None = None
-    batch_size: int = 1
-    input_len: int = 128
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    input_lens: list[int] = field(default_factory=lambda: [128])
     output_len: int = 16
     backend: str = "mambaserve"
     device: str = "cpu"
@@ -44,12 +46,25 @@ class OneBatchConfig:
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
             raise ValueError("give exactly one of --model PATH or --preset NAME")
-        if self.batch_size < 1 or self.input_len < 1 or self.output_len < 1:
+        if not self.batch_sizes or not self.input_lens:
+            raise ValueError("give at least one batch size and one input length")
+        if min(self.batch_sizes) < 1 or min(self.input_lens) < 1 or self.output_len < 1:
             raise ValueError("batch-size, input-len and output-len must be >= 1")
         if self.backend not in ("mambaserve", "hf"):
             raise ValueError(f"unknown backend {self.backend!r}; use mambaserve or hf")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+
+
+def int_list(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4] (the sweep flags)."""
+    try:
+        out = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not out:
+        raise ValueError(f"expected comma-separated integers, got {text!r}")
+    return out
 
 
 # ---- settings strings ("key=value,...") shared with bench ab -------------------------------
@@ -123,10 +138,61 @@ def copy_ceiling(device: torch.device, nbytes: int | None = None) -> dict:
 
 
 # ---- derived figures ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts the figures need (from the model built on the meta device)."""
+
+    params: int  # all parameters
+    embedding: int  # the input embedding table (a gather, not a matmul)
+    lm_head: int  # applied to one position per sequence in a prefill
+    per_token: float  # parameters every token multiplies (MoE experts scaled by top-k / E)
+
+    @staticmethod
+    def of(config: dict) -> ModelCounts:
+        from mambaserve.config import ModelConfig
+        from mambaserve.models.registry import model_class
+
+        cfg = ModelConfig.from_dict(config)
+        with torch.device("meta"):
+            model = model_class(cfg)(cfg)
+        total = emb = head = 0
+        per_token = 0.0
+        for name, p in model.named_parameters(remove_duplicate=False):
+            n = p.numel()
+            total += n if name != "lm_head.weight" or not cfg.tie_word_embeddings else 0
+            if name == "embeddings.weight":
+                emb += n
+            elif name == "lm_head.weight":
+                head += n
+            elif "experts_" in name and cfg.n_routed_experts:
+                per_token += n * cfg.num_experts_per_tok / cfg.n_routed_experts
+            else:
+                per_token += n
+        return ModelCounts(total, emb, head, per_token)
+
+
+def prefill_flops(cfg, counts: ModelCounts, batch_size: int, input_len: int) -> float:
+    """Model FLOPs of prefilling B prompts of L tokens, no cache: 2 per weight per token for
+    every matmul weight, the lm_head on one position per sequence, causal attention scores and
+    values (2 x 2 x heads x head_dim x L(L+1)/2 per attention layer), and the chunked SSD's
+    matrix work per chunk of Q tokens (causal C·Bᵀ per group, chunk states and state-to-output
+    per head, causal scores x inputs per head)."""
+    tokens = batch_size * input_len
+    f = 2.0 * counts.per_token * tokens + 2.0 * counts.lm_head * batch_size
+    causal = input_len * (input_len + 1) / 2
+    f += len(cfg.attention_layer_ids) * batch_size * 4.0 * cfg.num_attention_heads * \
+        cfg.head_dim * causal
+    q, n, pdim = cfg.chunk_size, cfg.ssm_state_size, cfg.mamba_head_dim
+    chunks = batch_size * -(-input_len // q)
+    per_chunk = cfg.n_groups * 2.0 * n * q * (q + 1) / 2 + cfg.mamba_num_heads * (
+        2.0 * q * pdim * n * 2 + 2.0 * pdim * q * (q + 1) / 2)
+    return f + len(cfg.mamba_layer_ids) * chunks * per_chunk
+
+
 def decode_step_bytes(cfg, weight_bytes: int, batch_size: int, context_len: int,
                       dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
-    """Bytes a decode step must move: every weight once, each row's Mamba state read and
-    written, each row's cached K/V read."""
+    """Bytes a decode step must move: every (non-embedding) weight once, each row's Mamba state
+    read and written, each row's cached K/V read."""
     from mambaserve.cache.kv_pool import KVPool
     from mambaserve.cache.state_pool import StatePool
 
@@ -144,19 +210,23 @@ class OneBatchResult:
     input_len: int
     output_len: int
     params: int
-    prefill_s: float
+    prefill_s: float  # time to first token of the whole batch (TTFT)
     prefill_tokens_per_s: float
+    prefill_flops: float
+    prefill_mfu: float
+    prefill_floor_s: float  # prefill_flops / matmul ceiling
     decode_step_s: float  # median
     decode_tokens_per_s: float
     decode_steps: list[float]
-    matmul_ceiling_flops: float
-    copy_ceiling_bytes_per_s: float
-    prefill_mfu: float
     decode_bytes_per_step: int
+    decode_floor_s: float  # decode bytes / copy ceiling
     decode_bandwidth: float  # bytes/s
     decode_bandwidth_fraction: float
+    matmul_ceiling_flops: float
+    copy_ceiling_bytes_per_s: float
     load_s: float = 0.0
     note: str = ""
+    error: str = ""
 
 
 def _prompts(cfg_vocab: int, b: int, n: int, seed: int) -> list[list[int]]:
@@ -164,85 +234,102 @@ def _prompts(cfg_vocab: int, b: int, n: int, seed: int) -> list[list[int]]:
     return torch.randint(3, cfg_vocab, (b, n), generator=g).tolist()
 
 
-def _run_mambaserve(path: Path, c: OneBatchConfig) -> tuple[float, list[float], object, float]:
-    from mambaserve.config import EngineConfig
-    from mambaserve.engine.llm_engine import LLMEngine
-    from mambaserve.engine.sampling_params import SamplingParams
+class _MambaserveBackend:
+    def __init__(self, path: Path, c: OneBatchConfig, load_format: str) -> None:
+        from mambaserve.config import EngineConfig
+        from mambaserve.engine.llm_engine import LLMEngine
 
-    kw = {"dtype": c.dtype, "device": c.device, "max_num_seqs": c.batch_size,
-          "chunked_prefill_size": c.batch_size * c.input_len,
-          "max_model_len": c.input_len + c.output_len + 16, **c.engine}
-    t0 = time.perf_counter()
-    eng = LLMEngine(path, EngineConfig(**kw))
-    load_s = time.perf_counter() - t0
-    device = eng.device
-    params = SamplingParams(temperature=0, max_tokens=c.output_len, ignore_eos=True)
+        kw = {"dtype": c.dtype, "device": c.device, "max_num_seqs": max(c.batch_sizes),
+              "chunked_prefill_size": max(b * n for b in c.batch_sizes for n in c.input_lens),
+              "max_model_len": max(c.input_lens) + c.output_len + 16,
+              "load_format": load_format, "seed": c.seed, **c.engine}
+        t0 = time.perf_counter()
+        self.engine = LLMEngine(path, EngineConfig(**kw))
+        self.load_s = time.perf_counter() - t0
+        self.device = self.engine.device
+        self.cfg = self.engine.model_config
+        self.counter = 0
 
-    def one(seed: int, out_len: int) -> tuple[float, list[float]]:
+    def run(self, b: int, n: int, out_len: int, seed: int) -> tuple[float, list[float]]:
+        """(seconds until every prompt has its first token, decode step times after that)."""
+        from mambaserve.engine.sampling_params import SamplingParams
+
+        eng = self.engine
         p = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-        for i, ids in enumerate(_prompts(eng.model_config.vocab_size, c.batch_size, c.input_len,
-                                         seed)):
-            eng.add_request(f"s{seed}-{i}", {"prompt_token_ids": ids}, p)
-        times = []
+        ids = []
+        for prompt in _prompts(self.cfg.vocab_size, b, n, seed):
+            self.counter += 1
+            ids.append(f"r{self.counter}")
+            eng.add_request(ids[-1], {"prompt_token_ids": prompt}, p)
+        started: set[str] = set()
+        prefill, steps = 0.0, []
         while eng.has_unfinished_requests():
-            _sync(device)
+            _sync(self.device)
             t = time.perf_counter()
-            eng.step()
-            _sync(device)
-            times.append(time.perf_counter() - t)
-        return times[0], times[1:]
+            outs = eng.step()
+            _sync(self.device)
+            dt = time.perf_counter() - t
+            if len(started) < b:
+                prefill += dt
+                started.update(o.request_id for o in outs if o.outputs[0].token_ids)
+            else:
+                steps.append(dt)
+        return prefill, steps
 
-    for w in range(c.warmup):  # compile / autotune / capture on the same shapes
-        one(c.seed + 1000 + w, min(c.output_len, 3))
-    prefill_s, steps = one(c.seed, params.max_tokens)
-    return prefill_s, steps, eng.model_config, load_s
 
+class _HFBackend:
+    def __init__(self, path: Path, c: OneBatchConfig, load_format: str) -> None:
+        from transformers import AutoConfig, NemotronHForCausalLM
 
-def _run_hf(path: Path, c: OneBatchConfig) -> tuple[float, list[float], object, float]:
-    from transformers import LogitsProcessor, LogitsProcessorList, NemotronHForCausalLM
+        from mambaserve.config import ModelConfig, resolve_dtype
 
-    from mambaserve.config import ModelConfig, resolve_dtype
+        self.cfg = ModelConfig.from_hf(path)
+        self.device = torch.device(c.device)
+        dtype = resolve_dtype(c.dtype, self.cfg, self.device.type)
+        t0 = time.perf_counter()
+        if load_format == "dummy":  # transformers' own random init, on the device
+            hf_cfg = AutoConfig.from_pretrained(path)
+            with torch.device(self.device):
+                model = NemotronHForCausalLM._from_config(hf_cfg, dtype=dtype)
+        else:
+            model = NemotronHForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+        self.model = model.eval()
+        self.load_s = time.perf_counter() - t0
 
-    cfg = ModelConfig.from_hf(path)
-    device = torch.device(c.device)
-    t0 = time.perf_counter()
-    model = NemotronHForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(c.dtype, cfg, device.type)).to(device).eval()
-    load_s = time.perf_counter() - t0
+    def run(self, b: int, n: int, out_len: int, seed: int) -> tuple[float, list[float]]:
+        from transformers import LogitsProcessor, LogitsProcessorList
 
-    class Stamp(LogitsProcessor):
-        def __init__(self) -> None:
-            self.t: list[float] = []
+        device = self.device
 
-        def __call__(self, input_ids, scores):
-            _sync(device)
-            self.t.append(time.perf_counter())
-            return scores
+        class Stamp(LogitsProcessor):
+            def __init__(self) -> None:
+                self.t: list[float] = []
 
-    def one(seed: int, out_len: int) -> tuple[float, list[float]]:
-        ids = torch.tensor(_prompts(cfg.vocab_size, c.batch_size, c.input_len, seed),
-                           device=device)
+            def __call__(self, input_ids, scores):
+                _sync(device)
+                self.t.append(time.perf_counter())
+                return scores
+
+        ids = torch.tensor(_prompts(self.cfg.vocab_size, b, n, seed), device=device)
         with torch.inference_mode():
             _sync(device)
             t = time.perf_counter()
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)  # a single prefill forward
+            self.model(input_ids=ids, use_cache=False, logits_to_keep=1)  # one prefill forward
             _sync(device)
             prefill = time.perf_counter() - t
+            if out_len == 1:
+                return prefill, []
             stamp = Stamp()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                           min_new_tokens=out_len, do_sample=False,
-                           logits_processor=LogitsProcessorList([stamp]),
-                           pad_token_id=cfg.pad_token_id or 0)
-        return prefill, [b - a for a, b in zip(stamp.t, stamp.t[1:])]
-
-    for w in range(c.warmup):
-        one(c.seed + 1000 + w, min(c.output_len, 3))
-    prefill_s, steps = one(c.seed, c.output_len)
-    return prefill_s, steps, cfg, load_s
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                                min_new_tokens=out_len, do_sample=False,
+                                logits_processor=LogitsProcessorList([stamp]),
+                                pad_token_id=self.cfg.pad_token_id or 0)
+        return prefill, [b2 - a for a, b2 in zip(stamp.t, stamp.t[1:])]
 
 
-def run_one_batch(c: OneBatchConfig, log=print) -> OneBatchResult:
-    from mambaserve.bench.presets import param_count, preset_config, write_checkpoint
+def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
+    """One result per (input length, batch size) of the sweep; the model is loaded once."""
+    from mambaserve.bench.presets import preset_config, write_checkpoint, write_config
     from mambaserve.config import ModelConfig, resolve_dtype
 
     c.validate()
@@ -256,6 +343,7 @@ def run_one_batch(c: OneBatchConfig, log=print) -> OneBatchResult:
         f"copy {cp['bytes_per_s'] / 1e9:.1f} GB/s (read + write)" + (f"  [{note}]" if note else ""))
 
     tmp = None
+    load_format = c.engine.pop("load_format", "auto")
     if c.preset:
         if c.save_reload:
             path = Path(c.save_reload)
@@ -263,36 +351,63 @@ def run_one_batch(c: OneBatchConfig, log=print) -> OneBatchResult:
             tmp = tempfile.TemporaryDirectory(prefix="mambaserve-preset-")
             path = Path(tmp.name)
         t0 = time.perf_counter()
-        write_checkpoint(preset_config(c.preset), path, dtype=dtype, device=device, seed=c.seed)
-        log(f"preset {c.preset}: random {str(dtype).removeprefix('torch.')} checkpoint written to {path} in "
-            f"{time.perf_counter() - t0:.1f} s")
+        if c.save_reload:  # the load path at scale: write every tensor, read it back
+            write_checkpoint(preset_config(c.preset), path, dtype=dtype, device=device,
+                             seed=c.seed)
+            log(f"preset {c.preset}: random {str(dtype).removeprefix('torch.')} checkpoint "
+                f"written to {path} in {time.perf_counter() - t0:.1f} s")
+        else:  # random weights drawn on the device at load (load_format=dummy)
+            write_config(preset_config(c.preset), path, dtype=dtype)
+            load_format = "dummy"
     else:
         path = Path(c.model)
+    results = []
     try:
         cfg_dict = json.loads((path / "config.json").read_text())
-        n_params = param_count(cfg_dict)
-        run = _run_mambaserve if c.backend == "mambaserve" else _run_hf
-        prefill_s, steps, mcfg, load_s = run(path, c)
+        counts = ModelCounts.of(cfg_dict)
+        mcfg = ModelConfig.from_dict(cfg_dict)
+        backend = (_MambaserveBackend if c.backend == "mambaserve" else _HFBackend)(
+            path, c, load_format)
+        log(f"{c.backend}: model ready in {backend.load_s:.1f} s ({load_format} weights)")
+        ssm_dtype = resolve_dtype(c.engine.get("mamba_ssm_dtype", "float32"))
+        weight_bytes = (counts.params - counts.embedding) * dtype.itemsize
+        for n in c.input_lens:
+            for b in c.batch_sizes:
+                for w in range(c.warmup):  # compile / autotune / capture on the same shapes
+                    try:
+                        backend.run(b, n, min(c.output_len, 3), c.seed + 1000 + w)
+                    except torch.OutOfMemoryError:
+                        break
+                try:
+                    prefill_s, steps = backend.run(b, n, c.output_len, c.seed)
+                    error = ""
+                except torch.OutOfMemoryError as e:
+                    prefill_s, steps, error = float("nan"), [], f"out of memory: {e}"[:200]
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                flops = prefill_flops(mcfg, counts, b, n)
+                step = statistics.median(steps) if steps else float("nan")
+                step_bytes = decode_step_bytes(mcfg, weight_bytes, b, n + c.output_len // 2,
+                                               dtype, ssm_dtype)
+                bw = step_bytes / step if steps else float("nan")
+                r = OneBatchResult(
+                    backend=c.backend, device=str(device), dtype=str(dtype).removeprefix("torch."),
+                    batch_size=b, input_len=n, output_len=c.output_len, params=counts.params,
+                    prefill_s=prefill_s, prefill_tokens_per_s=b * n / prefill_s,
+                    prefill_flops=flops, prefill_mfu=flops / prefill_s / mm["flops"],
+                    prefill_floor_s=flops / mm["flops"], decode_step_s=step,
+                    decode_tokens_per_s=b / step if steps else float("nan"),
+                    decode_steps=steps, decode_bytes_per_step=step_bytes,
+                    decode_floor_s=step_bytes / cp["bytes_per_s"], decode_bandwidth=bw,
+                    decode_bandwidth_fraction=bw / cp["bytes_per_s"],
+                    matmul_ceiling_flops=mm["flops"], copy_ceiling_bytes_per_s=cp["bytes_per_s"],
+                    load_s=backend.load_s, note=note, error=error)
+                log(format_result(r))
+                results.append(r)
     finally:
         if tmp is not None:
             tmp.cleanup()
-    mcfg = mcfg if isinstance(mcfg, ModelConfig) else ModelConfig.from_dict(cfg_dict)
-    step = statistics.median(steps) if steps else float("nan")
-    weight_bytes = n_params * dtype.itemsize
-    ssm_dtype = resolve_dtype(c.engine.get("mamba_ssm_dtype", "float32"))
-    ctx = c.input_len + c.output_len // 2
-    step_bytes = decode_step_bytes(mcfg, weight_bytes, c.batch_size, ctx, dtype, ssm_dtype)
-    tokens = c.batch_size * c.input_len
-    bw = step_bytes / step if steps else float("nan")
-    return OneBatchResult(
-        backend=c.backend, device=str(device), dtype=str(dtype).removeprefix("torch."),
-        batch_size=c.batch_size, input_len=c.input_len, output_len=c.output_len, params=n_params,
-        prefill_s=prefill_s, prefill_tokens_per_s=tokens / prefill_s, decode_step_s=step,
-        decode_tokens_per_s=c.batch_size / step if steps else float("nan"), decode_steps=steps,
-        matmul_ceiling_flops=mm["flops"], copy_ceiling_bytes_per_s=cp["bytes_per_s"],
-        prefill_mfu=2 * n_params * tokens / prefill_s / mm["flops"],
-        decode_bytes_per_step=step_bytes, decode_bandwidth=bw,
-        decode_bandwidth_fraction=bw / cp["bytes_per_s"], load_s=load_s, note=note)
+    return results
 
 
 def _count(n: int) -> str:
@@ -300,52 +415,78 @@ def _count(n: int) -> str:
 
 
 def format_result(r: OneBatchResult) -> str:
-    lines = [
-        (f"backend {r.backend} on {r.device} ({r.dtype}), {_count(r.params)} params, "
-        f"batch {r.batch_size} x input {r.input_len}, output {r.output_len} (load {r.load_s:.1f} s)"),
-        (f"prefill: {r.prefill_s * 1e3:.2f} ms, {r.prefill_tokens_per_s:,.0f} tokens/s, "
-        f"MFU {100 * r.prefill_mfu:.1f} % of {r.matmul_ceiling_flops / 1e12:.2f} TFLOP/s"),
-        (f"decode:  {r.decode_step_s * 1e3:.2f} ms/step (median of {len(r.decode_steps)}), "
-        f"{r.decode_tokens_per_s:,.1f} tokens/s, {r.decode_bandwidth / 1e9:.1f} GB/s = "
-        f"{100 * r.decode_bandwidth_fraction:.1f} % of {r.copy_ceiling_bytes_per_s / 1e9:.1f} GB/s "
-        f"({r.decode_bytes_per_step / 1e9:.3f} GB per step: weights + state read/write + KV)"),
-    ]
+    head = (f"backend {r.backend} on {r.device} ({r.dtype}), {_count(r.params)} params, "
+            f"batch {r.batch_size} x input {r.input_len}, output {r.output_len}")
+    if r.error:
+        return f"{head}\nerror: {r.error}"
+    lines = [head, (
+        f"prefill: {r.prefill_s * 1e3:.2f} ms (TTFT), {r.prefill_tokens_per_s:,.0f} tokens/s, "
+        f"MFU {100 * r.prefill_mfu:.1f} % of {r.matmul_ceiling_flops / 1e12:.2f} TFLOP/s "
+        f"({r.prefill_flops / 1e12:.2f} TFLOP; floor {r.prefill_floor_s * 1e3:.2f} ms, "
+        f"{r.prefill_s / r.prefill_floor_s:.2f}x)")]
+    if r.decode_steps:
+        lines.append(
+            f"decode:  {r.decode_step_s * 1e3:.2f} ms/step (median of {len(r.decode_steps)}), "
+            f"{r.decode_tokens_per_s:,.1f} tokens/s, {r.decode_bandwidth / 1e9:.1f} GB/s = "
+            f"{100 * r.decode_bandwidth_fraction:.1f} % of {r.copy_ceiling_bytes_per_s / 1e9:.1f} "
+            f"GB/s ({r.decode_bytes_per_step / 1e9:.3f} GB per step: weights + state read/write "
+            f"+ KV; floor {r.decode_floor_s * 1e3:.2f} ms, {r.decode_step_s / r.decode_floor_s:.2f}x)")
     if r.note:
         lines.append(f"note: {r.note}")
     return "\n".join(lines)
+
+
+def format_table(results: list[OneBatchResult]) -> str:
+    """A markdown table of a sweep (the rows docs/benchmarks.md records)."""
+    out = [("| backend | batch | input | TTFT ms | prefill tok/s | MFU % | x floor | decode ms/step "
+            "| decode tok/s | % of BW floor |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.error:
+            out.append(f"| {r.backend} | {r.batch_size} | {r.input_len} | {r.error[:40]} |"
+                       " | | | | | |")
+            continue
+        dec = (f"{r.decode_step_s * 1e3:.2f} | {r.decode_tokens_per_s:,.0f} | "
+               f"{100 * r.decode_floor_s / r.decode_step_s:.0f}") if r.decode_steps else "- | - | -"
+        out.append(f"| {r.backend} | {r.batch_size} | {r.input_len} | {r.prefill_s * 1e3:.1f} | "
+                   f"{r.prefill_tokens_per_s:,.0f} | {100 * r.prefill_mfu:.1f} | "
+                   f"{r.prefill_s / r.prefill_floor_s:.2f} | {dec} |")
+    return "\n".join(out)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", default=None, help="HF checkpoint folder")
     src.add_argument("--preset", default=None, help="nemotron-nano-9b-v2 | tiny (random weights)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--batch-size", default="1", help="one or a comma-separated sweep: 1,8,32")
+    p.add_argument("--input-len", default="128", help="one or a comma-separated sweep: 512,2048")
+    p.add_argument("--output-len", type=int, default=16,
+                   help="1 measures prefill only (no decode steps)")
     p.add_argument("--backend", default="mambaserve", choices=["mambaserve", "hf"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--save-reload", default=None, metavar="DIR",
-                   help="folder the preset checkpoint is written to and loaded from "
-                        "(default: a temporary folder, removed afterwards)")
+                   help="write the preset as a full safetensors checkpoint into DIR and load it "
+                        "back (the load path at scale); default: random weights drawn on the "
+                        "device at load, no checkpoint on disk")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs on the same shapes")
     p.add_argument("--engine", default="", metavar="K=V,...",
                    help="extra EngineConfig settings, e.g. enforce_eager=false")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the result as JSON")
+    p.add_argument("--out", default=None, help="write the results as a JSON list")
 
 
 def run_cli(a: argparse.Namespace) -> int:
     try:
-        c = OneBatchConfig(model=a.model, preset=a.preset, batch_size=a.batch_size,
-                           input_len=a.input_len, output_len=a.output_len, backend=a.backend,
-                           device=a.device, dtype=a.dtype, save_reload=a.save_reload,
-                           warmup=a.warmup, seed=a.seed, engine=parse_settings(a.engine))
-        r = run_one_batch(c)
+        c = OneBatchConfig(model=a.model, preset=a.preset, batch_sizes=int_list(a.batch_size),
+                           input_lens=int_list(a.input_len), output_len=a.output_len,
+                           backend=a.backend, device=a.device, dtype=a.dtype,
+                           save_reload=a.save_reload, warmup=a.warmup, seed=a.seed,
+                           engine=parse_settings(a.engine))
+        results = run_one_batch(c)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_result(r))
+    print(format_table(results))
     if a.out:
-        Path(a.out).write_text(json.dumps(asdict(r), indent=1))
+        Path(a.out).write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0

@@ -7,7 +7,6 @@ through the normal loader, so the real load path runs at scale (docs: /work/shar
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -69,31 +68,6 @@ def checkpoint_name(param: str) -> str:
     return param if param.startswith("lm_head.") else "backbone." + param
 
 
-@torch.no_grad()
-def _random_param(name: str, shape: tuple[int, ...], dtype: torch.dtype, device, gen,
-                  num_layers: int) -> torch.Tensor:
-    def normal(std: float) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.normal_(0.0, std, generator=gen)
-
-    if name.endswith(("norm.weight", "norm_f.weight", "mixer.norm_weight", "mixer.D")):
-        return torch.ones(shape, dtype=dtype, device=device)
-    if name.endswith("A_log"):
-        t = torch.empty(shape, dtype=torch.float32, device=device).uniform_(1, 16, generator=gen)
-        return t.log().to(dtype)
-    if name.endswith("dt_bias"):
-        dt = torch.empty(shape, dtype=torch.float32, device=device).uniform_(
-            math.log(1e-3), math.log(1e-1), generator=gen).exp()
-        return (dt + torch.log(-torch.expm1(-dt))).to(dtype)  # inverse softplus
-    if name.endswith(("conv_weight", "conv_bias")):
-        return normal(0.1)
-    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
-        return normal(0.02 / math.sqrt(2 * num_layers))
-    if name.endswith(".bias"):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return normal(0.02)
-
-
 def write_checkpoint(config: dict, path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                      device: str | torch.device = "cpu", seed: int = 0,
                      shard_bytes: int = 4 << 30) -> Path:
@@ -103,6 +77,7 @@ def write_checkpoint(config: dict, path: str | Path, *, dtype: torch.dtype = tor
     from safetensors.torch import save_file
 
     from mambaserve.config import ModelConfig
+    from mambaserve.models.random_weights import random_tensor
     from mambaserve.models.registry import model_class
 
     path = Path(path)
@@ -123,7 +98,7 @@ def write_checkpoint(config: dict, path: str | Path, *, dtype: torch.dtype = tor
         shards[-1] = {}
 
     for name, shape in shapes:
-        t = _random_param(name, shape, dtype, device, gen, cfg.num_layers)
+        t = random_tensor(name, shape, dtype, device, gen, cfg.num_layers)
         ck = checkpoint_name(name)
         if name.endswith("conv_weight"):
             t = t.reshape(shape[0], 1, shape[1])  # HF conv1d layout [D, 1, K]
@@ -141,6 +116,16 @@ def write_checkpoint(config: dict, path: str | Path, *, dtype: torch.dtype = tor
         total = sum((path / f).stat().st_size for f in files)
         (path / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def write_config(config: dict, path: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save only config.json: a folder the engine loads with `load_format="dummy"` (random
+    weights drawn on the device at start-up, no checkpoint on disk)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path

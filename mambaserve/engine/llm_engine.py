@@ -39,7 +39,8 @@ class LLMEngine:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device.type)
         self.ssm_dtype = resolve_dtype(config.mamba_ssm_dtype)
-        self.model = load_model(path, self.dtype, self.device, self.model_config)
+        self.model = load_model(path, self.dtype, self.device, self.model_config,
+                                config.load_format, config.seed)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.snapshot_interval = self._snapshot_interval()
@@ -103,11 +104,14 @@ class LLMEngine:
             num_slots = min(want_slots, budget // max(slot_bytes, 1))
             num_pages = max(1, num_slots) * pages_per_seq
         else:
-            num_slots = min(want_slots, (budget // 2) // max(slot_bytes, 1))
-            num_pages = (budget - num_slots * slot_bytes) // page_bytes
-            # never more than every sequence at full length (twice that for cached prefixes)
+            # never more pages than every sequence at full length (twice that for cached
+            # prefixes); when slots and pages both fit, take exactly that, else split the budget
             full = c.max_num_seqs * pages_per_seq * (2 if c.enable_prefix_caching else 1)
-            num_pages = min(num_pages, full)
+            if want_slots * slot_bytes + full * page_bytes <= budget:
+                num_slots, num_pages = want_slots, full
+            else:
+                num_slots = min(want_slots, (budget // 2) // max(slot_bytes, 1))
+                num_pages = min((budget - num_slots * slot_bytes) // page_bytes, full)
         if num_slots < 1 or num_pages < 1:
             raise ValueError(
                 f"memory budget of {budget / 2**20:.1f} MiB is too small: one state slot needs "

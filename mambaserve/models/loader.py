@@ -13,8 +13,10 @@ from tqdm import tqdm
 
 from mambaserve.config import ModelConfig
 from mambaserve.models.nemotron_h import checkpoint_name_to_param
+from mambaserve.models.random_weights import init_random_
 from mambaserve.models.registry import model_class
 
+LOAD_FORMATS = ("auto", "dummy")
 PROGRESS_BAR_MIN_BYTES = 256 * 2**20
 _IGNORED_PREFIXES = ("mtp.",)  # multi-token-prediction heads: not used for serving
 _FLOAT32_PARAMS = ("gate.weight", "gate.e_score_correction_bias")  # kept fp32, like transformers
@@ -43,12 +45,18 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
-               cfg: ModelConfig | None = None) -> torch.nn.Module:
+               cfg: ModelConfig | None = None, load_format: str = "auto",
+               seed: int = 0) -> torch.nn.Module:
+    """`load_format="auto"` reads the safetensors weights; `"dummy"` needs only config.json and
+    draws random weights on the device (models/random_weights.py), for benchmarks at real
+    shapes without a checkpoint."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model path {path} is not a directory")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
     cfg = cfg or ModelConfig.from_hf(path)
-    files = checkpoint_files(path)
+    files = checkpoint_files(path) if load_format == "auto" else []
     device = torch.device(device)
 
     previous = torch.get_default_dtype()
@@ -65,6 +73,11 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
     for name, b in model.named_buffers():
         if name.endswith(_FLOAT32_PARAMS):
             b.data = b.data.float()
+
+    if load_format == "dummy":
+        if cfg.tie_word_embeddings:
+            model.tie_lm_head()
+        return init_random_(model, cfg.num_layers, seed).eval()
 
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())

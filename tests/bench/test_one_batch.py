@@ -7,12 +7,16 @@ import pytest
 import torch
 
 from mambaserve.bench.one_batch import (
+    ModelCounts,
     OneBatchConfig,
     copy_ceiling,
     decode_step_bytes,
     format_result,
+    format_table,
+    int_list,
     matmul_ceiling,
     parse_settings,
+    prefill_flops,
     run_one_batch,
 )
 from mambaserve.bench.presets import (
@@ -100,15 +104,50 @@ def test_ceilings_and_bytes():
 @pytest.mark.parametrize("backend", ["mambaserve", "hf"])
 def test_one_batch_tiny_on_cpu(backend, tmp_path):
     logs = []
-    r = run_one_batch(OneBatchConfig(preset="tiny", batch_size=2, input_len=24, output_len=5,
-                                     backend=backend, dtype="float32",
-                                     save_reload=str(tmp_path / "ck")), log=logs.append)
+    rs = run_one_batch(OneBatchConfig(preset="tiny", batch_sizes=[2], input_lens=[24],
+                                      output_len=5, backend=backend, dtype="float32",
+                                      save_reload=str(tmp_path / "ck")), log=logs.append)
     assert (tmp_path / "ck" / "config.json").exists()  # --save-reload keeps the checkpoint
+    assert list((tmp_path / "ck").glob("*.safetensors"))
+    (r,) = rs
     assert r.prefill_s > 0 and r.prefill_tokens_per_s > 0 and 0 < r.prefill_mfu
     assert len(r.decode_steps) == 4 and r.decode_step_s > 0 and r.decode_tokens_per_s > 0
-    assert r.decode_bandwidth_fraction > 0 and "CPU" in r.note
+    assert r.decode_bandwidth_fraction > 0 and "CPU" in r.note and not r.error
     text = format_result(r)
     assert "MFU" in text and "GB/s" in text and "CPU" in logs[0]
+
+
+def test_one_batch_sweep_with_dummy_weights():
+    """Without --save-reload the preset is drawn on the device (no safetensors); a sweep
+    gives one result per (input length, batch size), prefill-only when output_len is 1."""
+    rs = run_one_batch(OneBatchConfig(preset="tiny", batch_sizes=[1, 3], input_lens=[8, 20],
+                                      output_len=1, dtype="float32"), log=lambda *_: None)
+    assert [(r.input_len, r.batch_size) for r in rs] == [(8, 1), (8, 3), (20, 1), (20, 3)]
+    assert all(r.prefill_s > 0 and not r.decode_steps for r in rs)
+    table = format_table(rs)
+    assert table.count("\n") == 5 and "| mambaserve | 3 | 20 |" in table
+
+
+def test_prefill_flops_counts_matmuls_attention_and_ssd():
+    cfg = preset_config("nemotron-nano-9b-v2")
+    counts = ModelCounts.of(cfg)
+    assert counts.params == param_count(cfg)
+    assert counts.embedding == counts.lm_head == 131072 * 4480
+    assert counts.per_token == counts.params - 2 * 131072 * 4480
+    m = ModelConfig.from_dict(cfg)
+    one = prefill_flops(m, counts, 1, 128)  # exactly one SSD chunk per row
+    attn = 4 * 4 * 40 * 128 * (128 * 129 / 2)
+    ssd = 27 * (8 * 2 * 128 * 128 * 129 / 2 + 128 * (4 * 128 * 80 * 128 + 2 * 80 * 128 * 129 / 2))
+    assert one == pytest.approx(2 * counts.per_token * 128 + 2 * counts.lm_head + attn + ssd)
+    # linear in the batch; the attention term grows quadratically with the length
+    assert prefill_flops(m, counts, 4, 128) == pytest.approx(4 * one)
+    assert prefill_flops(m, counts, 1, 256) > 2 * one
+
+
+def test_int_list():
+    assert int_list("1,8, 32") == [1, 8, 32] and int_list("4") == [4]
+    with pytest.raises(ValueError, match="comma-separated"):
+        int_list("1,x")
 
 
 def test_one_batch_cli(tmp_path, capsys):
@@ -120,6 +159,8 @@ def test_one_batch_cli(tmp_path, capsys):
                "--engine", "enforce_eager=false"])
     assert rc == 0
     assert "prefill:" in capsys.readouterr().out
-    assert json.loads(out.read_text())["batch_size"] == 2
+    assert json.loads(out.read_text())[0]["batch_size"] == 2
     assert main(["bench", "one-batch", "--preset", "tiny", "--device", "cpu",
                  "--engine", "bogus=1"]) == 2
+    assert main(["bench", "one-batch", "--preset", "tiny", "--device", "cpu",
+                 "--batch-size", "two"]) == 2

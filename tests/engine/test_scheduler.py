@@ -106,3 +106,20 @@ def test_memory_budget_too_small(tiny_ckpt):
 
     with pytest.raises(ValueError, match="memory budget .* too small"):
         LLM(tiny_ckpt, memory_budget_bytes=1000)
+
+
+def test_pools_take_exactly_what_the_limits_need_when_it_fits(tiny_ckpt):
+    """A budget that holds max_num_seqs slots and every sequence's pages at full length gives
+    exactly that (no half-budget split starving the slots); a tighter one splits it."""
+    probe = LLM(tiny_ckpt, max_num_seqs=1).engine
+    slot_b = StatePool.bytes_per_slot(probe.model_config, probe.dtype, probe.ssm_dtype)
+    page_b = KVPool.bytes_per_page(probe.model_config, 16, probe.dtype)
+    seqs, pages_per_seq = 6, 256 // 16
+    need = seqs * slot_b + seqs * pages_per_seq * page_b
+    eng = LLM(tiny_ckpt, memory_budget_bytes=need, max_num_seqs=seqs, max_model_len=256).engine
+    assert (eng.state_pool.num_slots, eng.kv_pool.num_pages) == (seqs, seqs * pages_per_seq)
+    tight = LLM(tiny_ckpt, memory_budget_bytes=need - 1, max_num_seqs=seqs,
+                max_model_len=256).engine
+    n = tight.state_pool.num_slots
+    assert 1 <= n and n * slot_b <= need // 2
+    assert n * slot_b + tight.kv_pool.num_pages * page_b <= need

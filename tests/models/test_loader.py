@@ -105,3 +105,36 @@ def test_missing_weights_and_corrupt_file(tmp_path, tiny_ckpt):
         {"weight_map": {"x": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(ValueError, match="shards listed .* are missing"):
         load_model(dst, torch.float32, "cpu")
+
+
+def test_dummy_load_format_draws_random_weights_from_the_config_alone(tmp_path, tiny_ckpt):
+    """load_format="dummy" needs only config.json: every parameter is drawn on the device
+    (seeded, finite, in the model's dtypes; A and dt_bias in their trained ranges)."""
+    import shutil
+
+    from mambaserve.models.random_weights import init_random_
+
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    shutil.copy(tiny_ckpt / "config.json", folder / "config.json")
+    with pytest.raises(ValueError, match="no safetensors"):
+        load_model(folder, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="unknown load_format"):
+        load_model(folder, torch.float32, "cpu", load_format="npz")
+    a = load_model(folder, torch.bfloat16, "cpu", load_format="dummy", seed=3)
+    b = load_model(folder, torch.bfloat16, "cpu", load_format="dummy", seed=3)
+    c = load_model(folder, torch.bfloat16, "cpu", load_format="dummy", seed=4)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert set(pa) == set(dict(load_model(tiny_ckpt, torch.float32, "cpu").named_parameters()))
+    for name, p in pa.items():
+        assert torch.isfinite(p.float()).all(), name
+        assert torch.equal(p, pb[name]), name
+        assert p.dtype == (torch.float32 if name.endswith("gate.weight") else torch.bfloat16)
+        if name.endswith("A_log"):
+            assert (p.float().exp() >= 0.99).all() and (p.float().exp() <= 16.1).all()
+        if name.endswith("dt_bias"):
+            dt = torch.nn.functional.softplus(p.float())
+            assert (dt > 0.9e-3).all() and (dt < 0.11).all()
+    assert not torch.equal(pa["lm_head.weight"], pc["lm_head.weight"])
+    ids = torch.arange(5)
+    assert init_random_(a, 3, seed=0) is a and torch.isfinite(a.embeddings(ids).float()).all()

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The GPU measurement plan of docs/benchmarks.md, run on the lent H200 from the repo root:
+#
+#   bash scripts/gpu_bench.sh STAGE...
+#
+# stages: tests check prefill decode decode-eager hf ab serve kernels audit
+# Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
+# $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
+# (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
+# Server wheels (fastapi, starlette, pydantic, uvicorn) travel in the git-ignored .whl/; the
+# mamba_ssm peer for the kernel stage in .peer/ (docs/kernels.md).
+set -u
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+W=$(mktemp -d)
+LOG=$OUT/log.txt
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=python3
+MS="$PY -m mambaserve.cli"
+PRESET=nemotron-nano-9b-v2
+if [ -d .whl ] && ! $PY -c "import fastapi, uvicorn" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+log() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
+run() {  # run STAGE_NAME DEFAULT_TIMEOUT CMD...
+    local name=$1 limit=$2; shift 2
+    local var="STAGE_TIMEOUT_${name//-/_}"
+    limit=${!var:-$limit}
+    log "$name (limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    log "$name: exit ${PIPESTATUS[0]}"
+}
+
+stage_tests() {  # every CUDA-only test: compiled Triton kernels at real shapes, decode graphs
+    run tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops tests/engine/test_cuda_graph.py \
+        -k "cuda or gpu or triton"
+}
+stage_check() {  # exactness of the engine on CUDA vs transformers (tiny model), graphs too
+    run check 120 $PY scripts/gpu_check.py --out "$W/gpu_check.json"
+}
+stage_audit() {
+    run audit 120 $MS audit-syncs --device cuda
+}
+stage_prefill() {  # prefill-only requests: TTFT, throughput, MFU
+    run prefill 240 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1,2,4,8,16,32 --input-len 512,2048 --output-len 1 --out "$W/prefill.json"
+}
+stage_decode() {  # decode steps through the CUDA graphs
+    run decode 240 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1,8,32,64,128,256 --input-len 512 --output-len 48 \
+        --engine enforce_eager=false --out "$W/decode_graphs.json"
+}
+stage_decode-eager() {
+    run decode-eager 180 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1,8,32,64,128,256 --input-len 512 --output-len 24 \
+        --engine enforce_eager=true --out "$W/decode_eager.json"
+}
+stage_hf() {  # transformers on the same shapes (its torch path: no mamba_ssm kernels here)
+    run hf-prefill 200 $MS bench one-batch --preset $PRESET --backend hf --device cuda \
+        --dtype bfloat16 --batch-size 1,8 --input-len 512,2048 --output-len 1 \
+        --out "$W/hf_prefill.json"
+    run hf-decode 150 $MS bench one-batch --preset $PRESET --backend hf --device cuda \
+        --dtype bfloat16 --batch-size 1,8,32 --input-len 512 --output-len 16 \
+        --out "$W/hf_decode.json"
+}
+stage_ab() {  # graphs vs eager, interleaved rounds with an A-vs-A drift control
+    run ab 240 $MS bench ab --preset $PRESET --device cuda --dtype bfloat16 \
+        --a enforce_eager=true --b enforce_eager=false --rounds 3 --num-prompts 32 \
+        --input-len 256 --output-len 64 --out "$W/ab_graphs.json"
+}
+stage_serve() {  # the OpenAI server at the 9B preset, then bench serve against it
+    local dir=$W/preset
+    $PY -c "from mambaserve.bench.presets import preset_config, write_config; \
+write_config(preset_config('$PRESET'), '$dir')"
+    log "serve: starting the server"
+    $MS serve "$dir" --device cuda --dtype bfloat16 --load-format dummy --no-enforce-eager \
+        --max-num-seqs 64 --chunked-prefill-size 8192 --max-model-len 4096 --port 8123 \
+        --log-level warning >>"$LOG" 2>&1 &
+    local pid=$!
+    for _ in $(seq 120); do
+        $PY -c "import httpx; httpx.get('http://127.0.0.1:8123/health').raise_for_status()" \
+            2>/dev/null && break
+        sleep 2
+    done
+    run serve-bench 240 $MS bench serve --base-url http://127.0.0.1:8123 --dataset random \
+        --input-len 1024 --output-len 256 --num-prompts 256 --max-concurrency 64 \
+        --disable-tqdm --out "$W/serve.json" --plot "$W/serve.png"
+    run serve-rate 150 $MS bench serve --base-url http://127.0.0.1:8123 --dataset random \
+        --input-len 1024 --output-len 256 --num-prompts 200 --request-rate 8 \
+        --disable-tqdm --out "$W/serve_rate8.json" --plot "$W/serve_rate8.png" --seed 1
+    $PY -c "import httpx; print(httpx.get('http://127.0.0.1:8123/metrics').text)" \
+        >"$W/serve_metrics.txt" 2>&1
+    kill -TERM $pid; wait $pid
+    log "serve: server exit $?"
+}
+stage_kernels() {
+    PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run kernels 300 $PY bench/kernels.py \
+        --out "$W/kernels.json"
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$LOG"
+$PY -c "import torch, triton, transformers, sys; print(sys.version.split()[0], torch.__version__, \
+triton.__version__, transformers.__version__)" | tee -a "$LOG"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$LOG"
+for s in "$@"; do "stage_$s"; done
+tar czf "$OUT/results.tgz" -C "$W" . && log "results packed: $(tar tzf "$OUT/results.tgz" | tr '\n' ' ')"
