@@ -50,12 +50,12 @@ stage_prefill() {  # prefill-only requests: TTFT, throughput, MFU
 stage_decode() {  # decode steps through the CUDA graphs
     run decode 240 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
         --batch-size 1,8,32,64,128,256 --input-len 512 --output-len 48 \
-        --engine enforce_eager=false --out "$W/decode_graphs.json"
+        --engine enforce_eager=false,chunked_prefill_size=16384 --out "$W/decode_graphs.json"
 }
 stage_decode-eager() {
     run decode-eager 180 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
         --batch-size 1,8,32,64,128,256 --input-len 512 --output-len 24 \
-        --engine enforce_eager=true --out "$W/decode_eager.json"
+        --engine enforce_eager=true,chunked_prefill_size=16384 --out "$W/decode_eager.json"
 }
 stage_hf() {  # transformers on the same shapes (its torch path: no mamba_ssm kernels here)
     run hf-prefill 200 $MS bench one-batch --preset $PRESET --backend hf --device cuda \
