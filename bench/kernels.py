@@ -11,19 +11,31 @@ algorithm's matrix work (per chunk and head: 2L^2N for C·Bᵀ, 2L^2P for the in
 2LNP each for the chunk state and the inter-chunk output). The device-to-device copy bandwidth and
 a bf16 matmul rate are measured in the same run as ceilings. mamba_ssm (the peer) is timed only
 when it can be imported; the script says so when it cannot.
+
+The convs' peer is vLLM's pure-Triton causal_conv1d (`causal_conv1d_fn` for the varlen prefill,
+`causal_conv1d_update` for decode; mamba_ssm has no Triton conv), read from the git-ignored
+`.peer/vllm_conv/causal_conv1d.py` (vllm-project/vllm,
+vllm/model_executor/layers/mamba/ops/causal_conv1d.py, unmodified) by `load_conv_peer`, which
+replaces its `vllm.*` imports at load time; without that file the conv rows time ours only. Rows
+of our default kernel carry `ours_over_peer` (our time / the peer's, < 1 = we are faster).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import os
+import re
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+CONV_PEER_FILE = os.path.join(ROOT, ".peer", "vllm_conv", "causal_conv1d.py")
 
 H, P, N, G, K, L = 128, 80, 128, 8, 4, 128  # Nemotron-Nano-9B-v2 Mamba layer
 D_INNER = H * P
@@ -90,7 +102,69 @@ def load_peer():
         return None
 
 
-def decode(peer, batches, sweep):
+# what the peer file's `from vllm... import NAME` lines provide, as plain code
+_VLLM_NAMES = {"tl": "import triton.language as tl", "triton": "import triton",
+               "PAD_SLOT_ID": "PAD_SLOT_ID = -1"}
+
+
+def load_conv_peer(path=CONV_PEER_FILE):
+    """vLLM's Triton causal_conv1d module (a namespace with causal_conv1d_fn and
+    causal_conv1d_update) from `path`, its vllm imports replaced; None (and a printed reason) when
+    the file is absent or does not load."""
+    if not os.path.exists(path):
+        print(f"conv peer not available ({os.path.relpath(path, ROOT)} absent: save vllm-project/vllm's "
+              "vllm/model_executor/layers/mamba/ops/causal_conv1d.py there); timing ours and the "
+              "reference only", flush=True)
+        return None
+    try:
+        with open(path) as f:
+            src = f.read()
+        out = []
+        for line in src.splitlines():
+            m = re.match(r"\s*from\s+vllm[\w.]*\s+import\s+\(?([\w\s,]+)\)?\s*$", line)
+            if m:
+                names = [n.strip() for n in m.group(1).split(",") if n.strip()]
+                missing = [n for n in names if n not in _VLLM_NAMES]
+                if missing:
+                    raise ImportError(f"no stand-in for vllm names {missing} ({line.strip()!r})")
+                indent = line[: len(line) - len(line.lstrip())]
+                out.append(indent + "; ".join(_VLLM_NAMES[n] for n in names))
+            elif re.match(r"\s*(import|from)\s+vllm\b", line):
+                raise ImportError(f"unsupported vllm import {line.strip()!r}")
+            else:
+                out.append(line)  # one line for one: line numbers stay those of the file
+        text = "\n".join(out) + "\n"
+        # triton.jit reads each kernel's source through inspect/linecache: register the text
+        fname = os.path.abspath(path) + " (vllm imports replaced)"
+        linecache.cache[fname] = (len(text), None, text.splitlines(True), fname)
+        ns = {"__name__": "vllm_causal_conv1d_peer", "__file__": fname}
+        exec(compile(text, fname, "exec"), ns)  # noqa: S102  (the peer's own module text)
+        return SimpleNamespace(fn=ns["causal_conv1d_fn"], update=ns["causal_conv1d_update"])
+    except Exception as e:  # noqa: BLE001
+        print(f"conv peer did not load ({type(e).__name__}: {e}); timing ours and the reference "
+              "only", flush=True)
+        return None
+
+
+def conv_peer_metadata(seqlens, device):
+    """The `metadata` causal_conv1d_fn accepts: its per-program (row, segment) tables for the
+    usual BLOCK_M values, built here on the host once so the timed call does no host work (without
+    it every call copies query_start_loc to the host)."""
+    import numpy as np
+    nums_dict = {}
+    for bm in (4, 8, 16, 32, 64):
+        nums = [-(-n // bm) for n in seqlens]
+        mlist = np.repeat(np.arange(len(nums)), nums)
+        offs = np.concatenate([np.arange(n) for n in nums]) if nums else np.zeros(0, np.int64)
+        bp = torch.tensor(mlist, dtype=torch.int32, device=device)
+        op = torch.tensor(offs, dtype=torch.int32, device=device)
+        nums_dict[bm] = {"tot": int(sum(nums)), "mlist": bp, "mlist_len": len(mlist),
+                         "offsetlist": op, "batch_ptr": bp, "token_chunk_offset_ptr": op}
+    return SimpleNamespace(nums_dict=nums_dict, batch_ptr=nums_dict[8]["batch_ptr"],
+                           token_chunk_offset_ptr=nums_dict[8]["token_chunk_offset_ptr"])
+
+
+def decode(peer, batches, sweep, conv_peer=None):
     from mambaserve.ops.conv1d import causal_conv1d_update_ref
     from mambaserve.ops.selective_state_update import selective_state_update_ref
     from mambaserve.ops.triton.conv1d_update import causal_conv1d_update_triton
@@ -160,6 +234,23 @@ def decode(peer, batches, sweep):
             rel_err=err)
         ms = bench(lambda: causal_conv1d_update_ref(xbc, w, cb, conv, nxt()))
         row(op="conv_update", impl="torch ref", batch=Bt, us=ms * 1e3, TBps=cbytes / ms / 1e9)
+        if conv_peer is not None:
+            try:
+                # the peer's state layout is [slot, dim, K-1] with dim contiguous: a transposed
+                # view of ours (same memory)
+                c1, c3 = conv.clone(), conv.clone()
+                orf = causal_conv1d_update_ref(xbc, w, cb, c1, sl)
+                op = conv_peer.update(xbc, c3.transpose(1, 2), w, cb, activation=True,
+                                      conv_state_indices=sl)
+                err = max(rel(op, orf), rel(c3[sl.long()], c1[sl.long()]))
+                del c1, c3
+                convp = conv.transpose(1, 2)
+                ms = bench(lambda: conv_peer.update(xbc, convp, w, cb, activation=True,
+                                                    conv_state_indices=nxt()))
+                row(op="conv_update", impl="vllm", batch=Bt, us=ms * 1e3,
+                    TBps=cbytes / ms / 1e9, rel_err=err)
+            except Exception as e:  # noqa: BLE001
+                print(f"vllm conv update {Bt} failed: {type(e).__name__}: {e}", flush=True)
 
 
 def norm(peer, tokens):
@@ -252,7 +343,13 @@ def prefill(peer, shapes, sweep):
                 TFLOPs=flops / ms / 1e9, rel_err=rel(yp.reshape(T, H, P), yr))
 
 
-def conv_prefill(shapes):
+# (block_t, block_d, num_warps, lookahead) of the conv prefill kernel, timed with --sweep
+# (default 16, 512, 4, 4)
+CONV_SWEEP = [(16, 512, 4, 0), (16, 512, 4, 2), (8, 512, 4, 4), (32, 512, 4, 4), (16, 256, 2, 4),
+              (16, 1024, 8, 4)]
+
+
+def conv_prefill(shapes, sweep=False, conv_peer=None):
     from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
     from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
     from mambaserve.ops.triton.conv1d_varlen import causal_conv1d_varlen_triton
@@ -263,22 +360,74 @@ def conv_prefill(shapes):
         meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=1 << 20,
                               scratch_page=0, device=DEV)
         T = meta.num_prefill_tokens
-        x = torch.randn(T, CONV_DIM, device=DEV, dtype=DT)
+        # x: the xBC columns of the in_proj output [z | xBC | dt], a strided view as in the mixer
+        zxbcdt = torch.randn(T, D_INNER + CONV_DIM + H, device=DEV, dtype=DT)
+        x = zxbcdt[:, D_INNER: D_INNER + CONV_DIM]
         w = torch.randn(CONV_DIM, K, device=DEV, dtype=DT) * 0.5
         b = torch.randn(CONV_DIM, device=DEV, dtype=DT)
         st = torch.randn(nrows + 1, K - 1, CONV_DIM, device=DEV, dtype=DT)
         args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
                 meta.conv_window_idx, meta.conv_state_idx)
-        s1, s2 = st.clone(), st.clone()
-        err = rel(causal_conv1d_varlen_triton(x, w, b, s2, *args),
-                  causal_conv1d_varlen_ref(x, w, b, s1, *args))
+        s1 = st.clone()
+        out_ref = causal_conv1d_varlen_ref(x, w, b, s1, *args)
         nbytes = 2 * T * CONV_DIM * 2
-        ms = bench(lambda: causal_conv1d_varlen_triton(x, w, b, s2, *args))
-        row(op="conv_varlen", impl="triton", shape=f"{nrows}x{seqlen}", us=ms * 1e3,
-            TBps=nbytes / ms / 1e9, rel_err=err)
+        shape = f"{nrows}x{seqlen}"
+        variants = [("triton", x, {})]
+        if sweep:
+            variants += [("triton contiguous x", x.contiguous(), {})]
+            variants += [(f"triton bt{bt} bd{bd} w{nw} la{la}", x,
+                          {"block_t": bt, "block_d": bd, "num_warps": nw, "lookahead": la})
+                         for bt, bd, nw, la in CONV_SWEEP]
+            variants += [("triton runtime loop bt8 bd256", x,
+                          {"block_t": 8, "block_d": 256, "unroll": False})]
+        for name, xv, kw in variants:
+            try:
+                s2 = st.clone()
+                err = max(rel(causal_conv1d_varlen_triton(xv, w, b, s2, *args, **kw), out_ref),
+                          rel(s2[:-1], s1[:-1]))
+                ms = bench(lambda: causal_conv1d_varlen_triton(xv, w, b, s2, *args, **kw))
+                row(op="conv_varlen", impl=name, shape=shape, us=ms * 1e3,
+                    TBps=nbytes / ms / 1e9, rel_err=err)
+            except Exception as e:  # noqa: BLE001
+                print(f"conv {name} {shape} failed: {type(e).__name__}: {e}", flush=True)
         ms = bench(lambda: causal_conv1d_varlen_ref(x, w, b, s1, *args))
-        row(op="conv_varlen", impl="torch ref", shape=f"{nrows}x{seqlen}", us=ms * 1e3,
-            TBps=nbytes / ms / 1e9)
+        row(op="conv_varlen", impl="torch ref", shape=shape, us=ms * 1e3, TBps=nbytes / ms / 1e9)
+        if conv_peer is not None:
+            try:
+                conv_prefill_peer(conv_peer, plan, meta, x, w, b, st, out_ref, s1, nbytes, shape)
+            except Exception as e:  # noqa: BLE001
+                note = " (its prefill kernel does not run under the interpreter)" if DRY else ""
+                print(f"vllm conv prefill {shape} failed{note}: {type(e).__name__}: {e}",
+                      flush=True)
+
+
+def conv_prefill_peer(conv_peer, plan, meta, x, w, b, st, out_ref, s_ref, nbytes, shape):
+    """vLLM's causal_conv1d_fn on the same inputs, in its layouts (built outside the timing):
+    x as [dim, tokens] (the transposed view of our strided x: channels contiguous, as it wants),
+    state [slot, dim, K-1] (a transposed view of a copy of ours), query_start_loc int32, the
+    per-program tables precomputed (`metadata`)."""
+    seqlens = [r.num_tokens for r in plan.prefills]
+    qsl = torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0).tolist()), dtype=torch.int32,
+                       device=DEV)
+    slots = meta.prefill_state_slots.to(torch.int32)
+    init = meta.has_initial_state
+    pmeta = conv_peer_metadata(seqlens, DEV)
+    xp = x.t()
+    sp = st.clone()
+    spv = sp.transpose(1, 2)
+
+    def call():
+        return conv_peer.fn(xp, w, b, spv, qsl, cache_indices=slots, has_initial_state=init,
+                            activation="silu", metadata=pmeta)
+
+    outp = call().t()  # [tokens, dim]
+    err = max(rel(outp, out_ref), rel(sp[:-1], s_ref[:-1]))
+    if not err < 1e-2:
+        print(f"vllm conv prefill {shape}: output differs from the reference (rel {err:.2e})",
+              flush=True)
+    ms = bench(call)
+    row(op="conv_varlen", impl="vllm", shape=shape, us=ms * 1e3, TBps=nbytes / ms / 1e9,
+        rel_err=err)
 
 
 def main():
@@ -299,34 +448,55 @@ def main():
     t0 = time.time()
     if not DRY:
         ceilings()
-    peer = load_peer()
-    RESULTS["peer"] = peer is not None
     only = args.only.split(",")
+    peer = load_peer() if {"decode", "norm", "prefill"} & set(only) else None
+    RESULTS["peer"] = peer is not None
+    conv_peer = load_conv_peer() if {"decode", "conv"} & set(only) else None
+    RESULTS["conv_peer"] = conv_peer is not None
     try:
         if "decode" in only:
-            decode(peer, [1, 3] if DRY else [1, 8, 64, 256], args.sweep)
+            decode(peer, [1, 3] if DRY else [1, 8, 64, 256], args.sweep, conv_peer)
         if "norm" in only:
             norm(peer, [3] if DRY else [1, 256, 8192])
         if "conv" in only:
-            conv_prefill([(2, 40)] if DRY else [(8, 512), (1, 8192)])
+            conv_prefill([(2, 40), (5, 2)] if DRY else [(8, 512), (1, 8192)], args.sweep,
+                         conv_peer)
         if "prefill" in only:
             prefill(peer, [(2, 40), (1, 50)] if DRY else [(8, 512), (4, 2048), (1, 8192)],
                     args.sweep)
     finally:
         RESULTS["wall_s"] = time.time() - t0
+        add_peer_ratios()
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=1)
     print_table()
 
 
-def print_table():
-    print("\n| op | impl | size | us | rate | rel_err |\n|---|---|---|---|---|---|")
+PEER_IMPLS = ("mamba_ssm", "vllm")
+
+
+def _size(r):
+    return r.get("batch", r.get("tokens", r.get("shape")))
+
+
+def add_peer_ratios():
+    """`ours_over_peer` = our default kernel's time / the peer's, on our row of each op and size."""
+    peers = {(r["op"], _size(r)): r["us"] for r in RESULTS["rows"] if r["impl"] in PEER_IMPLS}
     for r in RESULTS["rows"]:
-        size = r.get("batch", r.get("tokens", r.get("shape")))
+        p = peers.get((r["op"], _size(r)))
+        if r["impl"] == "triton" and p:
+            r["ours_over_peer"] = r["us"] / p
+
+
+def print_table():
+    print("\n| op | impl | size | us | rate | rel_err | ours/peer |\n|---|---|---|---|---|---|---|")
+    for r in RESULTS["rows"]:
         rate = f"{r['TBps']:.2f} TB/s" if "TBps" in r else f"{r['TFLOPs']:.1f} TFLOP/s"
         err = r.get("rel_err")
-        print(f"| {r['op']} | {r['impl']} | {size} | {r['us']:.1f} | {rate} | "
-              f"{'' if err is None else f'{err:.1e}'} |")
+        ratio = r.get("ours_over_peer")
+        print(f"| {r['op']} | {r['impl']} | {_size(r)} | {r['us']:.1f} | {rate} | "
+              f"{'' if err is None else f'{err:.1e}'} | "
+              f"{'' if ratio is None else f'{ratio:.2f}'} |")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ if DEV == "cpu" and type(_conv_varlen_kernel).__name__ != "InterpretedFunction":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 
-def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0, tol=None, **kw):
+def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0, tol=None,
+         state_dtype=None, **kw):
     """rows: (num_tokens, context_len, slot, has_initial_state)."""
     gen = torch.Generator().manual_seed(seed)
     plan = BatchPlan(prefills=[RowPlan([1] * n, ctx, slot, init, [0]) for n, ctx, slot, init in rows],
@@ -30,7 +31,7 @@ def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0
                           device=DEV)
     T = meta.num_prefill_tokens
     num_slots = max(r[2] for r in rows) + 2
-    state = torch.randn(num_slots + 1, K - 1, Dm, generator=gen).to(DEV, dtype)
+    state = torch.randn(num_slots + 1, K - 1, Dm, generator=gen).to(DEV, state_dtype or dtype)
     x = torch.randn(T, Dm + 9, generator=gen).to(DEV, dtype)[:, 4: 4 + Dm]  # strided like xBC
     w = (torch.randn(Dm, K, generator=gen) * 0.5).to(DEV, dtype)
     b = (torch.randn(Dm, generator=gen) * 0.5).to(DEV, dtype) if bias else None
@@ -42,6 +43,9 @@ def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0
             if not init and slot >= 0:
                 st_ref[slot] = 0.0
                 st[slot] = float("nan")
+    # a negative slot reads nothing in the kernel (zero initial state); the reference reads the
+    # scratch slot instead, even with has_initial_state: give it zeros there
+    st_ref[-1] = 0.0
     out_ref = causal_conv1d_varlen_ref(x, w, b, st_ref, *args)
     out = causal_conv1d_varlen_triton(x, w, b, st, *args, **kw)
     tol = tol or (1e-5 if dtype == torch.float32 else 5e-3)
@@ -72,6 +76,52 @@ def test_conv_varlen_nobias_noact_nan_fresh_slot():
 
 def test_conv_varlen_fp16():
     _run(ROWS[:3], 64, 4, torch.float16, block_t=16, block_d=64)
+
+
+# Many rows per token tile and rows across tiles: 1-token rows, rows shorter than K-1 (with and
+# without initial state), zero-token rows, negative slots (also on short rows), long rows spanning
+# several tiles.
+MANY = [(1, 0, 0, True), (1, 3, 1, False), (2, 0, 2, True), (0, 4, 3, True), (3, 1, 4, True),
+        (1, 0, -1, True), (13, 2, 5, False), (2, 9, 6, True), (0, 0, 7, False), (1, 1, 8, True),
+        (40, 0, 9, True), (5, 5, -1, False), (2, 2, 10, False), (70, 3, 11, True),
+        (1, 0, 12, True), (2, 0, -1, True)]
+
+
+@pytest.mark.parametrize("block_t,block_d,num_warps,lookahead,unroll", [
+    (1, 16, 1, 0, True), (2, 32, 1, 1, True), (4, 16, 2, 4, True), (8, 64, 4, 2, False),
+    (32, 32, 2, 3, True), (128, 64, 4, 0, False)])
+def test_conv_varlen_tiles_cross_rows(block_t, block_d, num_warps, lookahead, unroll):
+    _run(MANY, 40, 4, torch.float32, seed=block_t, nan_fresh=True, block_t=block_t,
+         block_d=block_d, num_warps=num_warps, lookahead=lookahead, unroll=unroll)
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2, 3, 4])
+def test_conv_varlen_long_rows_lookahead(lookahead):
+    # tiles inside long rows take the unrolled loop; the last tile is partial (T = 87)
+    rows = [(37, 0, 0, False), (50, 3, 1, True)]
+    _run(rows, 48, 4, torch.float32, seed=20 + lookahead, block_t=8, block_d=16,
+         lookahead=lookahead)
+
+
+@pytest.mark.parametrize("K", [2, 3, 5])
+def test_conv_varlen_tiles_cross_rows_widths(K):
+    _run(MANY, 24, K, torch.float32, seed=10 + K, bias=K != 3, activation=K != 5, nan_fresh=True,
+         block_t=16, block_d=16, state_block_d=16, lookahead=2)
+
+
+def test_conv_varlen_wide_kernel_falls_back():
+    _run(ROWS[:4], 16, 7, torch.float32, nan_fresh=True)  # K > 5: the torch reference
+
+
+def test_conv_varlen_fp16_fp32_state():
+    # saved inputs are rounded to x.dtype before the conv and before being written back (as the
+    # reference's extended stream)
+    _run(MANY, 32, 4, torch.float16, state_dtype=torch.float32, block_t=32, block_d=32)
+
+
+def test_conv_varlen_default_blocks():
+    rows = MANY + [(n, ctx, slot + 13 if slot >= 0 else slot, init) for n, ctx, slot, init in ROWS]
+    _run(rows, 136, 4, torch.float32, seed=3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,17 +1,31 @@
 """Triton prefill kernel: varlen causal depthwise conv1d over the flat multi-row token stream.
 
-Uses the host-built gather indices of the reference (`conv_window_idx` [T, K] and `conv_state_idx`
-[R, K-1] into the "extended" stream: each row's K-1 saved inputs, then the T new tokens), without
-materializing that stream. Two launches:
+Two launches:
 
-1. `_conv_varlen_kernel`, grid (cdiv(T, BLOCK_T), cdiv(conv_dim, BLOCK_D)): for each token and tap,
-   reads either x[t'] or the row's saved input conv_state[slot, u] (zero when the row has no
-   initial state or a negative slot: a masked load, so stale NaNs in a fresh slot cannot leak),
-   out = silu(sum_k w[d, k] * win[k] + b) in float32.
-2. `_conv_state_kernel`, grid (rows, cdiv(conv_dim, BLOCK_D)), launched after 1 (which reads the
-   old states): writes the row's last K-1 inputs into conv_state[slot] (nothing for a negative
-   slot). All K-1 values are loaded before a CTA barrier and stored after it, since a row shorter
-   than K-1 tokens moves old saved inputs within its own slot.
+1. `_conv_varlen_kernel`, grid (cdiv(T, BLOCK_T), cdiv(conv_dim, BLOCK_D)): one program walks
+   BLOCK_T consecutive tokens (the tile may span rows) for BLOCK_D channels with a sliding window
+   in registers: it loads the K-1 inputs before the tile once, then per token loads x[t] once
+   (one [BLOCK_D] vector, straight pointer arithmetic on x, no per-tap index gather), computes
+   out = silu(b + sum_k w[:, k] * x[t-K+1+k]) in float32 (oldest tap first), casts once to
+   x.dtype, stores, and shifts the window. Every input is read from memory once (plus a K-1
+   token halo per tile). Row starts come from column 0 of the host-built `conv_window_idx` (one
+   int64 per token): it points into the saved-input part of the extended stream exactly for the
+   first K-1 tokens of a row, and then also gives the row (index // (K-1)) and the token's
+   offset in it (index % (K-1)). Tiles holding no such token (one vector load and a min decide)
+   run the plain loop, statically unrolled with the next LOOKAHEAD inputs loaded ahead; the
+   others run a loop with a scalar branch per token that, for a row's first K-1 tokens, swaps the
+   window values from before the row start for the slot's saved inputs conv_state[slot, u]
+   (masked loads: zero when the row has no initial state or a negative slot, so stale NaNs in a
+   fresh slot cannot leak; cast to x.dtype first, like the reference's extended stream).
+   K is 2..5 (the window is held in named registers); other widths run the torch reference.
+2. `_conv_state_kernel`, grid (rows, cdiv(conv_dim, STATE_BLOCK_D)), launched after 1 (which reads
+   the old states): writes the row's last K-1 inputs into conv_state[slot] (nothing for a
+   negative slot), gathered through `conv_state_idx`. All K-1 values are loaded before a CTA
+   barrier and stored after it, since a row shorter than K-1 tokens moves old saved inputs
+   within its own slot.
+
+`conv_window_idx` must come from `build_metadata` (each window is K consecutive virtual
+positions of its row); only its column 0 is read.
 """
 
 from __future__ import annotations
@@ -40,30 +54,145 @@ def _ext_load(e, d, md, x_ptr, state_ptr, slot_ptr, init_ptr, RK1, x_t, x_d, s_s
 
 
 @triton.jit
+def _saved(prev, j: tl.constexpr, pos, sbase, s_k, md, use, K1: tl.constexpr):
+    """The input at distance j before a head token at row offset `pos`: the register `prev`
+    (x[t-j]) when it lies in the row, else the saved input conv_state[slot, K1 + pos - j]."""
+    fs = j > pos
+    sv = tl.load(sbase + (K1 + pos - j) * s_k, mask=md & use & fs, other=0.0)
+    return tl.where(fs, sv.to(prev.dtype), prev)
+
+
+@triton.jit
+def _taps(bias, xt, p1, p2, p3, p4, w0, w1, w2, w3, w4, K1: tl.constexpr, SILU: tl.constexpr):
+    """silu(bias + sum_j w_j * x[t - j]) in float32, oldest tap first; p_j = x[t - j]."""
+    acc = bias
+    if K1 >= 4:
+        acc += w4 * p4.to(tl.float32)
+    if K1 >= 3:
+        acc += w3 * p3.to(tl.float32)
+    if K1 >= 2:
+        acc += w2 * p2.to(tl.float32)
+    acc += w1 * p1.to(tl.float32)
+    acc += w0 * xt.to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc
+
+
+@triton.jit
 def _conv_varlen_kernel(
     x_ptr, w_ptr, b_ptr, state_ptr, slot_ptr, init_ptr, win_ptr, out_ptr,
     T, Dm, RK1,
     x_t, x_d, w_d, w_k, s_slot, s_k, s_d, win_t, o_t, o_d,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    K1: tl.constexpr = K - 1
+    tl.static_assert(K >= 2 and K <= 5)
+    tl.static_assert(LOOKAHEAD >= 0 and LOOKAHEAD <= 4)
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mt = t < T
     md = d < Dm
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for k in tl.static_range(K):
-        e = tl.load(win_ptr + t * win_t + k, mask=mt, other=RK1)  # masked rows read x[0]
-        v = _ext_load(e, d, md, x_ptr, state_ptr, slot_ptr, init_ptr, RK1, x_t, x_d, s_slot,
-                      s_k, s_d, K - 1)
-        w = tl.load(w_ptr + d * w_d + k * w_k, mask=md, other=0.0).to(tl.float32)
-        acc += v.to(tl.float32) * w[None, :]
+    xd = x_ptr + d * x_d
+    od = out_ptr + d * o_d
+    wd = w_ptr + d * w_d
+    # weight of distance j (tap K-1-j) and the window p_j = x[t - j] (raw inputs, zero before
+    # token 0); distances past K-1 are zeros, never used
+    w0 = tl.load(wd + K1 * w_k, mask=md, other=0.0).to(tl.float32)
+    w1 = tl.load(wd + (K1 - 1) * w_k, mask=md, other=0.0).to(tl.float32)
+    w2 = tl.load(wd + (K1 - 2) * w_k, mask=md & (K1 >= 2), other=0.0).to(tl.float32)
+    w3 = tl.load(wd + (K1 - 3) * w_k, mask=md & (K1 >= 3), other=0.0).to(tl.float32)
+    w4 = tl.load(wd + (K1 - 4) * w_k, mask=md & (K1 >= 4), other=0.0).to(tl.float32)
+    p1 = tl.load(xd + (t0 - 1) * x_t, mask=md & (t0 >= 1), other=0.0)
+    p2 = tl.load(xd + (t0 - 2) * x_t, mask=md & (t0 >= 2) & (K1 >= 2), other=0.0)
+    p3 = tl.load(xd + (t0 - 3) * x_t, mask=md & (t0 >= 3) & (K1 >= 3), other=0.0)
+    p4 = tl.load(xd + (t0 - 4) * x_t, mask=md & (t0 >= 4) & (K1 >= 4), other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + d, mask=md, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + t[:, None] * o_t + d[None, :] * o_d, acc.to(out_ptr.dtype.element_ty),
-             mask=mt[:, None] & md[None, :])
+        bias = tl.load(b_ptr + d, mask=md, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    tt = t0 + tl.arange(0, BLOCK_T)
+    e0s = tl.load(win_ptr + tt * win_t, mask=tt < T, other=RK1)
+    if tl.min(e0s, axis=0) >= RK1:
+        # no token of the tile is among its row's first K-1: every tap is in x
+        if UNROLL:
+            # the next LOOKAHEAD inputs are loaded ahead (a1..a4), so that several loads are in
+            # flight while a token is computed and stored
+            t_end = tl.minimum(t0 + BLOCK_T, T)
+            a1 = tl.load(xd + t0 * x_t, mask=md & (t0 < t_end) & (LOOKAHEAD >= 1), other=0.0)
+            a2 = tl.load(xd + (t0 + 1) * x_t, mask=md & (t0 + 1 < t_end) & (LOOKAHEAD >= 2),
+                         other=0.0)
+            a3 = tl.load(xd + (t0 + 2) * x_t, mask=md & (t0 + 2 < t_end) & (LOOKAHEAD >= 3),
+                         other=0.0)
+            a4 = tl.load(xd + (t0 + 3) * x_t, mask=md & (t0 + 3 < t_end) & (LOOKAHEAD >= 4),
+                         other=0.0)
+            for i in tl.static_range(BLOCK_T):
+                t = t0 + i
+                if LOOKAHEAD == 0:
+                    xt = tl.load(xd + t * x_t, mask=md & (t < T), other=0.0)
+                else:
+                    xt = a1
+                    nxt = tl.load(xd + (t + LOOKAHEAD) * x_t,
+                                  mask=md & (t + LOOKAHEAD < t_end), other=0.0)
+                    if LOOKAHEAD == 1:
+                        a1 = nxt
+                    elif LOOKAHEAD == 2:
+                        a1 = a2
+                        a2 = nxt
+                    elif LOOKAHEAD == 3:
+                        a1 = a2
+                        a2 = a3
+                        a3 = nxt
+                    else:
+                        a1 = a2
+                        a2 = a3
+                        a3 = a4
+                        a4 = nxt
+                acc = _taps(bias, xt, p1, p2, p3, p4, w0, w1, w2, w3, w4, K1, SILU)
+                tl.store(od + t * o_t, acc.to(out_ptr.dtype.element_ty), mask=md & (t < T))
+                p4 = p3
+                p3 = p2
+                p2 = p1
+                p1 = xt
+        else:
+            for i in range(BLOCK_T):
+                t = t0 + i
+                xt = tl.load(xd + t * x_t, mask=md & (t < T), other=0.0)
+                acc = _taps(bias, xt, p1, p2, p3, p4, w0, w1, w2, w3, w4, K1, SILU)
+                tl.store(od + t * o_t, acc.to(out_ptr.dtype.element_ty), mask=md & (t < T))
+                p4 = p3
+                p3 = p2
+                p2 = p1
+                p1 = xt
+    else:
+        for i in range(BLOCK_T):
+            t = t0 + i
+            xt = tl.load(xd + t * x_t, mask=md & (t < T), other=0.0)
+            e0 = tl.load(win_ptr + t * win_t, mask=t < T, other=RK1)
+            q1 = p1
+            q2 = p2
+            q3 = p3
+            q4 = p4
+            if e0 < RK1:  # among the row's first K-1 tokens: taps before the row start saved
+                pos = e0 % K1
+                r = e0 // K1
+                slot = tl.load(slot_ptr + r).to(tl.int64)
+                use = (slot >= 0) & (tl.load(init_ptr + r) != 0)
+                sbase = state_ptr + tl.maximum(slot, 0) * s_slot + d * s_d
+                q1 = _saved(p1, 1, pos, sbase, s_k, md, use, K1)
+                if K1 >= 2:
+                    q2 = _saved(p2, 2, pos, sbase, s_k, md, use, K1)
+                if K1 >= 3:
+                    q3 = _saved(p3, 3, pos, sbase, s_k, md, use, K1)
+                if K1 >= 4:
+                    q4 = _saved(p4, 4, pos, sbase, s_k, md, use, K1)
+            acc = _taps(bias, xt, q1, q2, q3, q4, w0, w1, w2, w3, w4, K1, SILU)
+            tl.store(od + t * o_t, acc.to(out_ptr.dtype.element_ty), mask=md & (t < T))
+            p4 = p3
+            p3 = p2
+            p2 = p1
+            p1 = xt
 
 
 @triton.jit
@@ -88,14 +217,28 @@ def _conv_state_kernel(
 
 def causal_conv1d_varlen_triton(x, weight, bias, conv_state, state_slots, has_initial_state,
                                 conv_window_idx, conv_state_idx, activation=True, *,
-                                block_t: int = 32, block_d: int = 128, num_warps: int = 4):
-    """Same contract as `mambaserve.ops.conv1d.causal_conv1d_varlen`."""
+                                block_t: int = 16, block_d: int = 512, num_warps: int = 4,
+                                lookahead: int = 4, unroll: bool = True,
+                                state_block_d: int = 256):
+    """Same contract as `mambaserve.ops.conv1d.causal_conv1d_varlen`; widths outside 2..5 run the
+    torch reference.
+
+    Knobs: `block_t` tokens x `block_d` channels (powers of two) per program of the conv launch,
+    with `num_warps` warps; `lookahead` (0..4) inputs loaded ahead in the unrolled loop;
+    `unroll=False` runs that loop as a runtime loop (for large `block_t`); `state_block_d`
+    channels per program of the state-write launch.
+    """
     T, Dm = x.shape
     Dw, K = weight.shape
     _, K1, Ds = conv_state.shape
     R = state_slots.shape[0]
-    assert Dw == Dm and Ds == Dm and K1 == K - 1 and K >= 2, (x.shape, weight.shape,
-                                                              conv_state.shape)
+    assert Dw == Dm and Ds == Dm and K1 == K - 1, (x.shape, weight.shape, conv_state.shape)
+    if not 2 <= K <= 5:  # the kernel holds the window in named registers
+        from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
+
+        return causal_conv1d_varlen_ref(x, weight, bias, conv_state, state_slots,
+                                        has_initial_state, conv_window_idx, conv_state_idx,
+                                        activation)
     assert has_initial_state.shape == (R,) and conv_state_idx.shape == (R, K1)
     assert conv_window_idx.shape == (T, K)
     assert bias is None or (bias.shape == (Dm,) and bias.is_contiguous())
@@ -111,11 +254,11 @@ def causal_conv1d_varlen_triton(x, weight, bias, conv_state, state_slots, has_in
         *x.stride(), *weight.stride(), *conv_state.stride(), conv_window_idx.stride(0),
         *out.stride(),
         K=K, HAS_BIAS=bias is not None, SILU=bool(activation), BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=num_warps,
+        UNROLL=unroll, LOOKAHEAD=lookahead, num_warps=num_warps,
     )
-    _conv_state_kernel[(R, triton.cdiv(Dm, 256))](
+    _conv_state_kernel[(R, triton.cdiv(Dm, state_block_d))](
         x, conv_state, state_slots, has_initial_state, conv_state_idx, Dm, RK1,
         *x.stride(), *conv_state.stride(), conv_state_idx.stride(0),
-        K1=K1, K1_PAD=triton.next_power_of_2(K1), BLOCK_D=256, num_warps=4,
+        K1=K1, K1_PAD=triton.next_power_of_2(K1), BLOCK_D=state_block_d, num_warps=4,
     )
     return out

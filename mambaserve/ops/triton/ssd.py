@@ -2,19 +2,38 @@
 
 Same chunk plan as the reference (`mambaserve.ops.ssd`): chunks are cut at absolute multiples of
 chunk_size, never span rows, and are described by host-built metadata (`chunk_token_idx`,
-`row_chunks`, `row_num_chunks`). Three launches:
+`row_chunks`, `row_num_chunks`); a chunk's tokens sit at its first positions, padding (= T) after
+them. By default (`contiguous_chunks=True`) the kernels also rely on what build_metadata's plans
+guarantee: a chunk's tokens are consecutive in the stream (rows are contiguous runs and chunks
+split rows), so a chunk is addressed from its first token `chunk_token_idx[c, 0]` without a
+per-token gather; `contiguous_chunks=False` gathers every token through `chunk_token_idx`.
+Five launches, in this order:
 
-A. `_chunk_state_kernel`, grid (chunks, heads, cdiv(P, BLOCK_P)): gathers the chunk's tokens,
-   dt = clamp(softplus(dt + dt_bias)), cumsum of dt*A, and the chunk's end state from zero,
-   S_loc[p, n] = sum_l x[l, p] dt[l] exp(cum[L-1] - cum[l]) B[l, n]  (one tl.dot), written into
-   the `chunk_end_states` buffer; the P-block-0 program also stores exp(cum[L-1]) per chunk/head.
-B. `_state_passing_kernel`, grid (rows, heads, cdiv(P*N, BLOCK_S)): walks the row's chunks in
-   order from the initial state (slot state if has_initial_state, else zero); writes each chunk's
-   start state, turns the local end state into the true one in place, and stores the row's last
-   end state into ssm_state[slot] (skipped for a negative slot).
-C. `_chunk_scan_kernel`, grid (chunks, heads, cdiv(P, BLOCK_P)):
-   y = (C Bᵀ ∘ exp(cum[l] - cum[s]) [s <= l] ∘ dt[s]) · x  +  exp(cum[l]) · C · S_startᵀ  +  D x
-   with three tl.dots (operands in x.dtype, float32 accumulation; float32 inputs use IEEE dots).
+0. `_chunk_dt_kernel`, grid (cdiv(H, BLOCK_H), chunks): dt = clamp(softplus(dt + dt_bias)) (0 on
+   padding) and cum = cumsum(dt * A) once per chunk and head, into [chunks, H, L] float32 buffers,
+   plus the number of tokens of each chunk. Everything after reads these.
+A. `_chunk_state_kernel`, grid (cdiv(P, BLOCK_P) * cdiv(N, BLOCK_N), H, chunks): the chunk's end
+   state from zero, S_loc = (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, accumulated over BLOCK_L token
+   blocks (only up to the chunk's length), written into the returned `chunk_end_states`.
+B. `_state_passing_kernel`, grid (rows, H, cdiv(P*N, BLOCK_S)): walks the row's chunks in order
+   from the initial state (slot state if has_initial_state and slot >= 0, else zero), turning each
+   local end state into the true one in place (S = S_prev * exp(cum[L-1]) + S_loc; the next
+   chunk's local state is prefetched), and stores the last one into ssm_state[slot] (skipped for
+   a negative slot). It first copies a used initial state into the rows' part of the state
+   buffer (past the chunks' part), because the slot is overwritten, and records for every chunk
+   where its start state lives: the previous chunk's end state, the row's copied initial state,
+   or none (zero).
+CB. `_chunk_cb_kernel`, grid (nb * (nb + 1) / 2, G, chunks), nb = L / BLOCK_CB: C·Bᵀ once per
+   chunk and group, lower-triangle [BLOCK_CB, BLOCK_CB] tiles of a [chunks, G, L, L] float32
+   buffer, shared by the H/G heads of the group.
+C. `_chunk_scan_kernel`, grid (cdiv(L, BLOCK_M) * cdiv(P, BLOCK_P), H, chunks): one
+   [BLOCK_M, BLOCK_P] output tile,
+   y = exp(cum[l]) · C · S_startᵀ
+       + Σ_{source blocks up to the tile's last row} (CB ∘ exp(cum[l] - cum[s]) [s<=l] ∘ dt[s]) · x
+       + D x,
+   skipping row tiles past the chunk's length, source blocks above the tile's last row and the
+   inter-chunk term when the start state is zero.
+Dot operands are in x.dtype with float32 accumulation; float32 inputs use IEEE dots.
 """
 
 from __future__ import annotations
@@ -27,56 +46,88 @@ from mambaserve.ops.triton._common import softplus_clamp
 
 
 @triton.jit
-def _chunk_dt(cti_ptr, dt_ptr, dt_bias_ptr, A_ptr, c, h, T, dt_lo, dt_hi, cti_c, dt_t, dt_h,
-              L: tl.constexpr):
-    """Token ids of chunk c, their mask, processed dt (0 on padding) and cumsum of dt*A."""
+def _chunk_dt_kernel(
+    cti_ptr, dt_ptr, dt_bias_ptr, A_ptr, dtc_ptr, cum_ptr, clen_ptr,
+    T, H, dt_lo, dt_hi, cti_c, dt_t, dt_h,
+    L: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
     offs_l = tl.arange(0, L)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mh = offs_h < H
     idx = tl.load(cti_ptr + c * cti_c + offs_l)
     ml = idx < T
-    raw = tl.load(dt_ptr + idx * dt_t + h * dt_h, mask=ml, other=0.0).to(tl.float32)
-    dt = softplus_clamp(raw + tl.load(dt_bias_ptr + h).to(tl.float32), dt_lo, dt_hi)
-    dt = tl.where(ml, dt, 0.0)
-    cum = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), axis=0)
-    return idx, ml, dt, cum
+    raw = tl.load(dt_ptr + idx[:, None] * dt_t + offs_h[None, :] * dt_h,
+                  mask=ml[:, None] & mh[None, :], other=0.0).to(tl.float32)
+    bias = tl.load(dt_bias_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+    a = tl.load(A_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+    dt = softplus_clamp(raw + bias[None, :], dt_lo, dt_hi)
+    dt = tl.where(ml[:, None], dt, 0.0)  # [L, BLOCK_H]
+    cum = tl.cumsum(dt * a[None, :], axis=0)
+    off = (c * H + offs_h[None, :]) * L + offs_l[:, None]
+    tl.store(dtc_ptr + off, dt, mask=mh[None, :])
+    tl.store(cum_ptr + off, cum, mask=mh[None, :])
+    tl.store(clen_ptr + c, tl.sum(ml.to(tl.int32), axis=0), mask=hb == 0)
+
+
+@triton.jit
+def _chunk_rows(cti_ptr, c, cti_c, offs, t0, CONTIG: tl.constexpr):
+    """Token index of chunk positions `offs`, relative to the chunk's first token t0. CONTIG: the
+    chunk's tokens are consecutive in the stream (build_metadata's plans), so no gather."""
+    if CONTIG:
+        rows = offs
+    else:
+        rows = tl.load(cti_ptr + c * cti_c + offs) - t0
+    return rows
 
 
 @triton.jit
 def _chunk_state_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr, cti_ptr, end_ptr, decay_ptr,
-    T, H, P, N, heads_per_group, dt_lo, dt_hi,
-    x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, cti_c,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, IP: tl.constexpr,
+    x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, st_ptr,
+    T, H, P, N, heads_per_group,
+    x_t, x_h, x_p, B_t, B_g, B_n, cti_c,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    IP: tl.constexpr, CONTIG: tl.constexpr,
 ):
-    pb = tl.program_id(0)  # P-blocks of one (chunk, head) run next to each other (L2 reuse)
+    num_nb = tl.cdiv(N, BLOCK_N)
+    pb = tl.program_id(0) // num_nb  # the tiles of one (chunk, head) run next to each other
+    nb = tl.program_id(0) % num_nb
     h = tl.program_id(1)
     c = tl.program_id(2).to(tl.int64)
     g = h // heads_per_group
-    idx, ml, dt, cum = _chunk_dt(cti_ptr, dt_ptr, dt_bias_ptr, A_ptr, c, h, T, dt_lo, dt_hi,
-                                 cti_c, dt_t, dt_h, L)
-    last = tl.sum(tl.where(tl.arange(0, L) == L - 1, cum, 0.0), axis=0)
-    w = dt * tl.exp(last - cum)  # [L]
-
+    cdt = x_ptr.dtype.element_ty
+    clen = tl.load(clen_ptr + c)
+    ch = (c * H + h) * L
+    cum_last = tl.load(cum_ptr + ch + L - 1)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mp = offs_p < P
     mn = offs_n < N
-    x = tl.load(x_ptr + idx[:, None] * x_t + h * x_h + offs_p[None, :] * x_p,
-                mask=ml[:, None] & mp[None, :], other=0.0)
-    Bm = tl.load(B_ptr + idx[:, None] * B_t + g * B_g + offs_n[None, :] * B_n,
-                 mask=ml[:, None] & mn[None, :], other=0.0)
-    xw = (x.to(tl.float32) * w[:, None]).to(x_ptr.dtype.element_ty)
-    S = tl.dot(tl.trans(xw), Bm.to(x_ptr.dtype.element_ty), input_precision=IP)  # [BP, BN]
-    base = (c * H + h) * P * N
-    tl.store(end_ptr + base + offs_p[:, None] * N + offs_n[None, :], S,
+    t0 = tl.load(cti_ptr + c * cti_c)
+    xb = x_ptr + t0 * x_t + h * x_h
+    Bb = B_ptr + t0 * B_t + g * B_g
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for l0 in range(0, clen, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        ml = offs_l < clen
+        rows = _chunk_rows(cti_ptr, c, cti_c, offs_l, t0, CONTIG)
+        w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
+        x = tl.load(xb + rows[None, :] * x_t + offs_p[:, None] * x_p,
+                    mask=mp[:, None] & ml[None, :], other=0.0)  # [BLOCK_P, BLOCK_L]
+        Bm = tl.load(Bb + rows[:, None] * B_t + offs_n[None, :] * B_n,
+                     mask=ml[:, None] & mn[None, :], other=0.0)  # [BLOCK_L, BLOCK_N]
+        xw = (x.to(tl.float32) * w[None, :]).to(cdt)
+        acc = tl.dot(xw, Bm.to(cdt), acc=acc, input_precision=IP)
+    tl.store(st_ptr + (c * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :], acc,
              mask=mp[:, None] & mn[None, :])
-    tl.store(decay_ptr + c * H + h, tl.exp(last), mask=pb == 0)
 
 
 @triton.jit
 def _state_passing_kernel(
-    ssm_ptr, slot_ptr, init_ptr, row_chunks_ptr, nchunks_ptr, start_ptr, end_ptr, decay_ptr,
-    H, P, N, s_slot, s_h, s_p, s_n, rc_r,
-    BLOCK_S: tl.constexpr,
+    ssm_ptr, slot_ptr, init_ptr, row_chunks_ptr, nchunks_ptr, st_ptr, cum_ptr, src_ptr,
+    num_chunks, H, P, N, s_slot, s_h, s_p, s_n, rc_r,
+    L: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -89,77 +140,195 @@ def _state_passing_kernel(
     m = offs < P * N
     p = offs // N
     n = offs % N
+    PN = P * N
     s_ptrs = ssm_ptr + slot * s_slot + h * s_h + p * s_p + n * s_n
     running = tl.load(s_ptrs, mask=m & use_init, other=0.0).to(tl.float32)
+    # keep the initial state for the output launch: the slot is overwritten below
+    init_id = num_chunks + r.to(tl.int64)
+    tl.store(st_ptr + (init_id * H + h) * PN + offs, running, mask=m & use_init)
+    writer = (h == 0) & (sb == 0)  # one program per row records the start-state sources
+    prev = tl.where(use_init, init_id, -1)
     nck = tl.load(nchunks_ptr + r)
+    cid = tl.load(row_chunks_ptr + r * rc_r).to(tl.int64)
+    loc = tl.load(st_ptr + (cid * H + h) * PN + offs, mask=m, other=0.0)
     for i in range(nck):
-        cid = tl.load(row_chunks_ptr + r * rc_r + i).to(tl.int64)
-        base = (cid * H + h) * P * N + offs
-        tl.store(start_ptr + base, running, mask=m)
-        dec = tl.load(decay_ptr + cid * H + h)
-        running = running * dec + tl.load(end_ptr + base, mask=m, other=0.0)
-        tl.store(end_ptr + base, running, mask=m)
+        tl.store(src_ptr + cid, prev, mask=writer)
+        dec = tl.exp(tl.load(cum_ptr + (cid * H + h) * L + L - 1))
+        running = running * dec + loc
+        more = i + 1 < nck
+        nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
+        loc = tl.load(st_ptr + (nxt * H + h) * PN + offs, mask=m & more, other=0.0)
+        tl.store(st_ptr + (cid * H + h) * PN + offs, running, mask=m)
+        prev = cid
+        cid = nxt
     tl.store(s_ptrs, running.to(ssm_ptr.dtype.element_ty), mask=m & valid)
 
 
 @triton.jit
-def _chunk_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, cti_ptr, start_ptr, y_ptr,
-    T, H, P, N, heads_per_group, dt_lo, dt_hi,
-    x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, IP: tl.constexpr,
+def _chunk_cb_kernel(
+    B_ptr, C_ptr, cti_ptr, clen_ptr, cb_ptr,
+    G, N, B_t, B_g, B_n, C_t, C_g, C_n, cti_c,
+    L: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, IP: tl.constexpr,
+    CDT: tl.constexpr, CONTIG: tl.constexpr,
 ):
-    pb = tl.program_id(0)  # P-blocks of one (chunk, head) run next to each other (L2 reuse)
+    t = tl.program_id(0)  # lower-triangle tile t -> (i, j), j <= i
+    i = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where((i + 1) * (i + 2) // 2 <= t, i + 1, i)  # guard the float rounding
+    i = tl.where(i * (i + 1) // 2 > t, i - 1, i)
+    j = t - i * (i + 1) // 2
+    g = tl.program_id(1)
+    c = tl.program_id(2).to(tl.int64)
+    clen = tl.load(clen_ptr + c)
+    if i * BLOCK < clen:  # tiles of padding rows are never read
+        offs_m = i * BLOCK + tl.arange(0, BLOCK)
+        offs_s = j * BLOCK + tl.arange(0, BLOCK)
+        t0 = tl.load(cti_ptr + c * cti_c)
+        rows_m = _chunk_rows(cti_ptr, c, cti_c, offs_m, t0, CONTIG)
+        rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
+        Cb = C_ptr + t0 * C_t + g * C_g
+        Bb = B_ptr + t0 * B_t + g * B_g
+        mm = offs_m < clen
+        ms = offs_s < clen
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k0 in range(0, N, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mk = offs_k < N
+            Cm = tl.load(Cb + rows_m[:, None] * C_t + offs_k[None, :] * C_n,
+                         mask=mm[:, None] & mk[None, :], other=0.0)
+            Bt = tl.load(Bb + rows_s[None, :] * B_t + offs_k[:, None] * B_n,
+                         mask=mk[:, None] & ms[None, :], other=0.0)  # [BLOCK_K, BLOCK]
+            acc = tl.dot(Cm.to(CDT), Bt.to(CDT), acc=acc, input_precision=IP)
+        tl.store(cb_ptr + ((c * G + g) * L + offs_m[:, None]) * L + offs_s[None, :], acc)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    x_ptr, C_ptr, D_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, cb_ptr, st_ptr, src_ptr, y_ptr,
+    H, P, N, G, heads_per_group,
+    x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
+    L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr,
+):
+    num_pb = tl.cdiv(P, BLOCK_P)
+    mb = tl.program_id(0) // num_pb  # the P blocks of one row tile run next to each other
+    pb = tl.program_id(0) % num_pb
     h = tl.program_id(1)
     c = tl.program_id(2).to(tl.int64)
     g = h // heads_per_group
-    idx, ml, dt, cum = _chunk_dt(cti_ptr, dt_ptr, dt_bias_ptr, A_ptr, c, h, T, dt_lo, dt_hi,
-                                 cti_c, dt_t, dt_h, L)
     cdt = x_ptr.dtype.element_ty
-    offs_l = tl.arange(0, L)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mp = offs_p < P
-    mn = offs_n < N
-    mln = ml[:, None] & mn[None, :]
-    Cm = tl.load(C_ptr + idx[:, None] * C_t + g * C_g + offs_n[None, :] * C_n, mask=mln,
-                 other=0.0).to(cdt)
-    Bm = tl.load(B_ptr + idx[:, None] * B_t + g * B_g + offs_n[None, :] * B_n, mask=mln,
-                 other=0.0).to(cdt)
-    x = tl.load(x_ptr + idx[:, None] * x_t + h * x_h + offs_p[None, :] * x_p,
-                mask=ml[:, None] & mp[None, :], other=0.0)
+    clen = tl.load(clen_ptr + c)
+    m0 = mb * BLOCK_M
+    if m0 < clen:  # row tiles made only of padding store nothing
+        ch = (c * H + h) * L
+        t0 = tl.load(cti_ptr + c * cti_c)
+        xb = x_ptr + t0 * x_t + h * x_h
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        mm = offs_m < clen
+        mp = offs_p < P
+        rows_m = _chunk_rows(cti_ptr, c, cti_c, offs_m, t0, CONTIG)
+        cum_m = tl.load(cum_ptr + ch + offs_m)
+        acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
 
-    # inter-chunk: exp(cum[l]) * C[l] . S_start[p]
-    S = tl.load(start_ptr + (c * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :],
-                mask=mp[:, None] & mn[None, :], other=0.0)
-    y = tl.dot(Cm, tl.trans(S.to(cdt)), input_precision=IP) * tl.exp(cum)[:, None]  # [L, BP]
+        # inter-chunk: exp(cum[l]) * C[l] . S_start[p]; S_start is the previous chunk's end state,
+        # the row's initial state (both in st_ptr), or zero (src < 0: skipped)
+        src = tl.load(src_ptr + c)
+        if src >= 0:
+            s_base = st_ptr + (src * H + h) * P * N
+            Cb = C_ptr + t0 * C_t + g * C_g
+            for k0 in range(0, N, BLOCK_N):
+                offs_k = k0 + tl.arange(0, BLOCK_N)
+                mk = offs_k < N
+                Cm = tl.load(Cb + rows_m[:, None] * C_t + offs_k[None, :] * C_n,
+                             mask=mm[:, None] & mk[None, :], other=0.0)
+                S = tl.load(s_base + offs_p[None, :] * N + offs_k[:, None],
+                            mask=mk[:, None] & mp[None, :], other=0.0)  # [BLOCK_N, BLOCK_P]
+                acc = tl.dot(Cm.to(cdt), S.to(cdt), acc=acc, input_precision=IP)
+            acc = acc * tl.exp(cum_m)[:, None]
 
-    # intra-chunk: (C Bᵀ ∘ decay ∘ dt[s]) . x
-    scores = tl.dot(Cm, tl.trans(Bm), input_precision=IP)  # [L, L]
-    causal = offs_l[:, None] >= offs_l[None, :]
-    seg = tl.where(causal, cum[:, None] - cum[None, :], float("-inf"))
-    scores = scores * tl.exp(seg) * dt[None, :]
-    y = tl.dot(scores.to(cdt), x.to(cdt), acc=y, input_precision=IP)
+        # intra-chunk: (CB ∘ exp(cum[l] - cum[s]) [s <= l] ∘ dt[s]) . x over source blocks up to
+        # the tile's last row. Blocks wholly before the tile's first row need no mask: their
+        # sources are real tokens (s < m0 < clen), and rows past clen (CB tiles the CB launch may
+        # have skipped) only reach output rows that are not stored.
+        cb_base = cb_ptr + (c * G + g) * L * L
+        full = (m0 // BLOCK_K) * BLOCK_K
+        for s0 in range(0, full, BLOCK_K):
+            offs_s = s0 + tl.arange(0, BLOCK_K)
+            cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :])
+            cum_s = tl.load(cum_ptr + ch + offs_s)
+            dt_s = tl.load(dtc_ptr + ch + offs_s)
+            scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
+            rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
+            xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
+                         mask=mp[None, :], other=0.0)
+            acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
+        # blocks that overlap the tile's rows: causal and chunk-length masks
+        hi = tl.minimum(m0 + BLOCK_M, clen)
+        for s0 in range(full, hi, BLOCK_K):
+            offs_s = s0 + tl.arange(0, BLOCK_K)
+            ms = offs_s < clen
+            keep = (offs_s[None, :] <= offs_m[:, None]) & ms[None, :] & mm[:, None]
+            cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :], mask=keep, other=0.0)
+            cum_s = tl.load(cum_ptr + ch + offs_s)
+            dt_s = tl.load(dtc_ptr + ch + offs_s)
+            decay = tl.exp(tl.where(keep, cum_m[:, None] - cum_s[None, :], float("-inf")))
+            scores = cb * decay * dt_s[None, :]
+            rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
+            xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
+                         mask=ms[:, None] & mp[None, :], other=0.0)
+            acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
 
-    y += tl.load(D_ptr + h).to(tl.float32) * x.to(tl.float32)
-    tl.store(y_ptr + idx[:, None] * y_t + h * y_h + offs_p[None, :] * y_p,
-             y.to(y_ptr.dtype.element_ty), mask=ml[:, None] & mp[None, :])
+        mo = mm[:, None] & mp[None, :]
+        xm = tl.load(xb + rows_m[:, None] * x_t + offs_p[None, :] * x_p, mask=mo, other=0.0)
+        acc += tl.load(D_ptr + h).to(tl.float32) * xm.to(tl.float32)
+        yb = y_ptr + t0 * y_t + h * y_h
+        tl.store(yb + rows_m[:, None] * y_t + offs_p[None, :] * y_p,
+                 acc.to(y_ptr.dtype.element_ty), mask=mo)
 
 
-def _default_block_p(P: int) -> int:
-    # H200 sweep at P=80 (docs/kernels.md): 32-wide P blocks with 4 warps were fastest for the scan
-    return 16 if P <= 16 else 32
+def _pow2_at_most(v: int, hi: int) -> int:
+    return min(hi, max(16, triton.next_power_of_2(v)))
+
+
+def _check_block(name: str, v: int, hi: int | None = None):
+    assert v >= 16 and v & (v - 1) == 0, f"{name} must be a power of two >= 16, got {v}"
+    assert hi is None or v <= hi, f"{name} must be <= {hi}, got {v}"
 
 
 def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                                  has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks,
-                                 row_num_chunks, *, block_p_state: int | None = None,
-                                 block_p_scan: int | None = None, block_s: int = 1024,
-                                 num_warps_state: int = 4, num_warps_scan: int = 4,
+                                 row_num_chunks, *,
+                                 block_p_state: int | None = None,
+                                 block_n_state: int | None = None,
+                                 block_l_state: int | None = None,
+                                 num_warps_state: int = 4, num_stages_state: int = 2,
+                                 block_s: int = 1024, num_warps_passing: int = 4,
+                                 block_cb: int | None = None, block_k_cb: int | None = None,
+                                 num_warps_cb: int = 4,
+                                 block_m_scan: int | None = None,
+                                 block_p_scan: int | None = None,
+                                 block_k_scan: int | None = None,
+                                 block_n_scan: int | None = None,
+                                 num_warps_scan: int = 4, num_stages_scan: int = 1,
+                                 contiguous_chunks: bool = True,
                                  _stop_after: str | None = None):
     """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`.
 
-    `_stop_after` ("state" or "passing") stops after that launch: for per-launch timing only.
+    Keyword-only tuning knobs (None = default): block sizes are powers of two >= 16.
+      launch A: block_p_state (64), block_n_state (min(N, 128)), block_l_state (min(L, 64)),
+                num_warps_state, num_stages_state;
+      launch B: block_s (P*N elements per program), num_warps_passing;
+      launch CB: block_cb (min(L, 64)), block_k_cb (N block, min(N, 128)), num_warps_cb;
+      launch C: block_m_scan (min(L, 64)), block_p_scan (32), block_k_scan (source block, min(L,
+                64)), block_n_scan (N block of the inter-chunk dot, min(N, 128)), num_warps_scan,
+                num_stages_scan.
+      contiguous_chunks: True (default) assumes each chunk's tokens are consecutive in the stream
+                (true of every build_metadata plan) and addresses them from the chunk's first
+                token; False gathers each token through chunk_token_idx (any plan).
+    num_stages_scan defaults to 1: the scan's loops run 1-2 iterations, and software pipelining
+    (2 stages) made launch C 1.8x slower on an H200 (Triton 3.6).
+    `_stop_after` ("dt", "state", "passing" or "cb") stops after that launch: per-launch timing
+    only ("state" includes the dt launch).
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -177,38 +346,77 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
         assert t.is_contiguous()
     dev = x.device
     y = torch.empty((T, H, P), dtype=x.dtype, device=dev)
-    end_states = torch.empty((num_chunks, H, P, N), dtype=torch.float32, device=dev)
+    # chunk end states, then one initial state per row (written by B for rows that use one)
+    states = torch.empty((num_chunks + R, H, P, N), dtype=torch.float32, device=dev)
+    end_states = states[:num_chunks]
     if num_chunks == 0 or T == 0:
         return y, end_states
-    start_states = torch.empty_like(end_states)
-    chunk_decay = torch.empty((num_chunks, H), dtype=torch.float32, device=dev)
-    BLOCK_N = triton.next_power_of_2(N)
-    IP = "ieee" if x.dtype == torch.float32 else "tf32"
-    lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    # chunk-state launch: 64-wide P blocks measured 1.28 ms total at 1x8192 vs 1.37 ms for 32
-    bps = block_p_state or min(64, max(16, triton.next_power_of_2(P)))
-    bpc = block_p_scan or _default_block_p(P)
 
-    _chunk_state_kernel[(triton.cdiv(P, bps), H, num_chunks)](
-        x, dt, A, B, dt_bias, chunk_token_idx, end_states, chunk_decay,
-        T, H, P, N, H // G, lo, hi,
-        *x.stride(), *dt.stride(), *B.stride(), chunk_token_idx.stride(0),
-        L=L, BLOCK_P=bps, BLOCK_N=BLOCK_N, IP=IP, num_warps=num_warps_state,
+    bps = block_p_state or 64
+    bns = block_n_state or _pow2_at_most(N, 128)
+    bls = block_l_state or min(L, 64)
+    bcb = block_cb or min(L, 64)
+    bkcb = block_k_cb or _pow2_at_most(N, 128)
+    bm = block_m_scan or min(L, 64)
+    bpc = block_p_scan or 32
+    bk = block_k_scan or min(L, 64)
+    bnc = block_n_scan or _pow2_at_most(N, 128)
+    for name, v, hi in (("block_p_state", bps, None), ("block_n_state", bns, None),
+                        ("block_l_state", bls, L), ("block_cb", bcb, L), ("block_k_cb", bkcb, None),
+                        ("block_m_scan", bm, L),
+                        ("block_p_scan", bpc, None), ("block_k_scan", bk, L),
+                        ("block_n_scan", bnc, None)):
+        _check_block(name, v, hi)
+    IP = "ieee" if x.dtype == torch.float32 else "tf32"
+    lo, hi_ = float(dt_limit[0]), float(dt_limit[1])
+    f32 = {"dtype": torch.float32, "device": dev}
+    dt_c = torch.empty((num_chunks, H, L), **f32)
+    cum = torch.empty((num_chunks, H, L), **f32)
+    clen = torch.empty((num_chunks,), dtype=torch.int32, device=dev)
+
+    bh = min(32, triton.next_power_of_2(H))
+    _chunk_dt_kernel[(triton.cdiv(H, bh), num_chunks)](
+        chunk_token_idx, dt, dt_bias, A, dt_c, cum, clen,
+        T, H, lo, hi_, chunk_token_idx.stride(0), *dt.stride(),
+        L=L, BLOCK_H=bh, num_warps=4,
+    )
+    if _stop_after == "dt":
+        return y, end_states
+    _chunk_state_kernel[(triton.cdiv(P, bps) * triton.cdiv(N, bns), H, num_chunks)](
+        x, B, chunk_token_idx, dt_c, cum, clen, states,
+        T, H, P, N, H // G,
+        *x.stride(), *B.stride(), chunk_token_idx.stride(0),
+        L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
+        num_warps=num_warps_state,
+        num_stages=num_stages_state,
     )
     if _stop_after == "state":
         return y, end_states
+    chunk_src = torch.empty((num_chunks,), dtype=torch.int64, device=dev)
     _state_passing_kernel[(R, H, triton.cdiv(P * N, block_s))](
-        ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks, start_states,
-        end_states, chunk_decay, H, P, N, *ssm_state.stride(), row_chunks.stride(0),
-        BLOCK_S=block_s, num_warps=4,
+        ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks, states, cum,
+        chunk_src, num_chunks, H, P, N, *ssm_state.stride(), row_chunks.stride(0),
+        L=L, BLOCK_S=block_s, num_warps=num_warps_passing,
     )
     if _stop_after == "passing":
         return y, end_states
-    _chunk_scan_kernel[(triton.cdiv(P, bpc), H, num_chunks)](
-        x, dt, A, B, C, D, dt_bias, chunk_token_idx, start_states, y,
-        T, H, P, N, H // G, lo, hi,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
-        chunk_token_idx.stride(0),
-        L=L, BLOCK_P=bpc, BLOCK_N=BLOCK_N, IP=IP, num_warps=num_warps_scan,
+    cb = torch.empty((num_chunks, G, L, L), **f32)
+    nb = L // bcb
+    cdt = tl.float32 if x.dtype == torch.float32 else (
+        tl.float16 if x.dtype == torch.float16 else tl.bfloat16)
+    _chunk_cb_kernel[(nb * (nb + 1) // 2, G, num_chunks)](
+        B, C, chunk_token_idx, clen, cb,
+        G, N, *B.stride(), *C.stride(), chunk_token_idx.stride(0),
+        L=L, BLOCK=bcb, BLOCK_K=bkcb, IP=IP, CDT=cdt, CONTIG=contiguous_chunks,
+        num_warps=num_warps_cb,
+    )
+    if _stop_after == "cb":
+        return y, end_states
+    _chunk_scan_kernel[(triton.cdiv(L, bm) * triton.cdiv(P, bpc), H, num_chunks)](
+        x, C, D, chunk_token_idx, dt_c, cum, clen, cb, states, chunk_src, y,
+        H, P, N, G, H // G,
+        *x.stride(), *C.stride(), *y.stride(), chunk_token_idx.stride(0),
+        L=L, BLOCK_M=bm, BLOCK_P=bpc, BLOCK_K=bk, BLOCK_N=bnc, IP=IP, CONTIG=contiguous_chunks,
+        num_warps=num_warps_scan, num_stages=num_stages_scan,
     )
     return y, end_states
