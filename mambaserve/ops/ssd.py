@@ -55,7 +55,9 @@ def ssd_chunk_scan_varlen(
     """
     from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
 
-    if x.is_cuda and triton_available():
+    L = chunk_token_idx.shape[1]
+    # the kernel tiles the chunk in power-of-two blocks >= 16; other chunk sizes use the reference
+    if x.is_cuda and triton_available() and L >= 16 and L & (L - 1) == 0:
         from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
 
         return ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state,
