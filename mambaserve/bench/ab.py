@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -157,25 +156,17 @@ class _Arm:
 
 
 def run_ab(c: ABConfig, log=print) -> dict:
-    from mambaserve.bench.presets import preset_config, write_checkpoint, write_config
+    from mambaserve.bench.presets import materialize_preset
     from mambaserve.config import ModelConfig, resolve_dtype
 
     c.validate()
     tmp = None
     load = {}
-    if c.preset:
-        if c.save_reload:
-            path = Path(c.save_reload)
-        else:
-            tmp = tempfile.TemporaryDirectory(prefix="mambaserve-ab-")
-            path = Path(tmp.name)
+    if c.preset:  # with dummy weights both arms draw the same values (same seed)
         wdtype = torch.bfloat16 if c.dtype == "auto" else resolve_dtype(c.dtype)
-        if c.save_reload:  # a full checkpoint through the loader
-            write_checkpoint(preset_config(c.preset), path, dtype=wdtype, device=c.device,
-                             seed=c.seed)
-        else:  # both arms draw the same random weights (same seed) on the device
-            write_config(preset_config(c.preset), path, dtype=wdtype)
-            load = {"load_format": "dummy", "seed": c.seed}
+        path, load_format, tmp = materialize_preset(c.preset, c.save_reload, dtype=wdtype,
+                                                    device=c.device, seed=c.seed)
+        load = {"load_format": load_format, "seed": c.seed}
     else:
         path = Path(c.model)
     try:

@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -329,7 +328,7 @@ class _HFBackend:
 
 def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
     """One result per (input length, batch size) of the sweep; the model is loaded once."""
-    from mambaserve.bench.presets import preset_config, write_checkpoint, write_config
+    from mambaserve.bench.presets import materialize_preset
     from mambaserve.config import ModelConfig, resolve_dtype
 
     c.validate()
@@ -345,20 +344,12 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
     tmp = None
     load_format = c.engine.pop("load_format", "auto")
     if c.preset:
-        if c.save_reload:
-            path = Path(c.save_reload)
-        else:
-            tmp = tempfile.TemporaryDirectory(prefix="mambaserve-preset-")
-            path = Path(tmp.name)
         t0 = time.perf_counter()
-        if c.save_reload:  # the load path at scale: write every tensor, read it back
-            write_checkpoint(preset_config(c.preset), path, dtype=dtype, device=device,
-                             seed=c.seed)
+        path, load_format, tmp = materialize_preset(c.preset, c.save_reload, dtype=dtype,
+                                                    device=device, seed=c.seed)
+        if c.save_reload:
             log(f"preset {c.preset}: random {str(dtype).removeprefix('torch.')} checkpoint "
                 f"written to {path} in {time.perf_counter() - t0:.1f} s")
-        else:  # random weights drawn on the device at load (load_format=dummy)
-            write_config(preset_config(c.preset), path, dtype=dtype)
-            load_format = "dummy"
     else:
         path = Path(c.model)
     results = []

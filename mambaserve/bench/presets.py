@@ -131,6 +131,22 @@ def write_config(config: dict, path: str | Path, *, dtype: torch.dtype = torch.b
     return path
 
 
+def materialize_preset(name: str, save_reload: str | None, *, dtype: torch.dtype,
+                       device: str | torch.device, seed: int = 0):
+    """The folder a benchmark loads a preset from: with `save_reload`, a full safetensors
+    checkpoint written there (the load path at scale); otherwise a temporary folder holding only
+    config.json, loaded with `load_format="dummy"`. Returns (path, load_format, tempdir or None:
+    the caller cleans it up)."""
+    import tempfile
+
+    if save_reload:
+        path = write_checkpoint(preset_config(name), save_reload, dtype=dtype, device=device,
+                                seed=seed)
+        return path, "auto", None
+    tmp = tempfile.TemporaryDirectory(prefix="mambaserve-preset-")
+    return write_config(preset_config(name), tmp.name, dtype=dtype), "dummy", tmp
+
+
 def param_count(config: dict) -> int:
     from mambaserve.config import ModelConfig
     from mambaserve.models.registry import model_class
