@@ -430,11 +430,66 @@ def conv_prefill_peer(conv_peer, plan, meta, x, w, b, st, out_ref, s_ref, nbytes
         rel_err=err)
 
 
+AH, AKV, AD, PAGE = 40, 8, 128, 16  # Nemotron-Nano-9B-v2 attention layer, engine page size
+
+
+def attention_prefill(shapes, sweep=False):
+    """Causal prefill attention over the paged KV pool (rows with no cache: keys = the row's own
+    tokens): the per-token kernel the dispatch uses, the tiled kernel, and torch's SDPA on dense
+    [rows, heads, L, D] tensors (flash attention on the GPU) as the peer. TFLOP/s over the
+    causal work, 4·H·D·L(L+1)/2 per row."""
+    from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+    from mambaserve.ops.paged_attention import paged_attention_ref, write_kv
+    from mambaserve.ops.triton.paged_attention import paged_attention_triton
+
+    ah, akv, ad, page = (AH, AKV, AD, PAGE) if not DRY else (4, 2, 16, 4)
+    for nrows, seqlen in shapes:
+        pages_per_row = -(-seqlen // page)
+        plan = BatchPlan(prefills=[RowPlan([1] * seqlen, 0, i, False,
+                                           list(range(i * pages_per_row, (i + 1) * pages_per_row)))
+                                   for i in range(nrows)], decodes=[])
+        meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=page,
+                              scratch_page=nrows * pages_per_row, device=DEV)
+        T = meta.num_tokens
+        g = torch.Generator(device=DEV).manual_seed(2)
+        q = torch.randn(T, ah, ad, device=DEV, dtype=DT, generator=g)
+        k = torch.randn(T, akv, ad, device=DEV, dtype=DT, generator=g)
+        v = torch.randn(T, akv, ad, device=DEV, dtype=DT, generator=g)
+        kv = torch.zeros(2, nrows * pages_per_row + 1, page, akv, ad, device=DEV, dtype=DT)
+        write_kv(kv, k, v, meta.slot_mapping)
+        args = (q, kv, meta.page_table, meta.token_row, meta.positions, meta.max_kv_len,
+                ad ** -0.5)
+        flops = nrows * 4.0 * ah * ad * seqlen * (seqlen + 1) / 2
+        shape = f"{nrows}x{seqlen}"
+        ref = paged_attention_ref(*args) if T * meta.max_kv_len <= 1 << 16 else None  # memory
+        dense = [t.view(nrows, seqlen, -1, ad).transpose(1, 2) for t in (q, k, v)]
+
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(
+                *dense, is_causal=True, scale=ad ** -0.5, enable_gqa=True)
+
+        base = sdpa().transpose(1, 2).reshape(T, ah, ad)
+        variants = [("triton", {}), ("triton tiled", {"tiled": True})]
+        if sweep:
+            variants += [("triton tiled m128", {"tiled": True, "block_m": 128}),
+                         ("triton tiled n128", {"tiled": True, "block_n": 128}),
+                         ("triton tiled 8w", {"tiled": True, "num_warps": 8})]
+        for impl, kw in variants:
+            out = paged_attention_triton(*args, **kw)
+            err = rel(out, ref if ref is not None else base)
+            ms = bench(lambda: paged_attention_triton(*args, **kw))
+            row(op="attention_prefill", impl=impl, shape=shape, us=ms * 1e3,
+                TFLOPs=flops / ms / 1e9, rel_err=err)
+        ms = bench(sdpa)
+        row(op="attention_prefill", impl="torch sdpa", shape=shape, us=ms * 1e3,
+            TFLOPs=flops / ms / 1e9)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time block-size variants")
-    ap.add_argument("--only", default="decode,norm,conv,prefill")
+    ap.add_argument("--only", default="decode,norm,conv,prefill,attention")
     ap.add_argument("--dry", action="store_true", help="tiny CPU smoke run (interpreter)")
     args = ap.parse_args()
     if args.dry:
@@ -464,6 +519,9 @@ def main():
         if "prefill" in only:
             prefill(peer, [(2, 40), (1, 50)] if DRY else [(8, 512), (4, 2048), (1, 8192)],
                     args.sweep)
+        if "attention" in only:
+            attention_prefill([(2, 40), (1, 50)] if DRY else [(8, 512), (8, 2048), (1, 8192)],
+                              args.sweep)
     finally:
         RESULTS["wall_s"] = time.time() - t0
         add_peer_ratios()

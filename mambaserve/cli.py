@@ -21,9 +21,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--mamba-snapshot-interval", type=int, default=None,
                    help="prefix-cache snapshot spacing in tokens (multiple of the chunk size)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run every forward eagerly (default for now); --no-enforce-eager replays "
-                        "decode-only batches through CUDA graphs (docs/cuda_graphs.md)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every forward eagerly; default: decode-only batches replay CUDA "
+                        "graphs on a GPU, eager on a CPU (--no-enforce-eager forces the graph "
+                        "path; docs/cuda_graphs.md)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch captured in a CUDA graph")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -88,7 +89,7 @@ def _server_commands(sub) -> None:
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks: serve | one-batch | ab")
+    b = sub.add_parser("bench", help="benchmarks: serve | one-batch | ab | profile")
     b_sub = b.add_subparsers(dest="bench_command", required=True)
     bs = b_sub.add_parser("serve", help="online serving benchmark against a running server")
     from mambaserve.bench.serve import add_args
@@ -105,6 +106,12 @@ def _server_commands(sub) -> None:
                                       "control (A vs A)")
     ab.add_args(abp)
     abp.set_defaults(func=ab.run_cli)
+    from mambaserve.bench import profile
+
+    pp = b_sub.add_parser("profile", help="where a prefill step's and a decode step's device "
+                                          "time goes (torch.profiler, kernels by group)")
+    profile.add_args(pp)
+    pp.set_defaults(func=profile.run_cli)
 
 
 def main(argv: list[str] | None = None) -> int:

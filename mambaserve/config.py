@@ -273,9 +273,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     mamba_snapshot_interval: int | None = None
     seed: int = 0
-    # decode CUDA graphs (engine/cuda_graph.py). Default eager until the graph path is verified
-    # on a GPU (docs/cuda_graphs.md); False on a CPU runs the static-buffer path uncaptured.
-    enforce_eager: bool = True
+    # decode CUDA graphs (engine/cuda_graph.py): None = graphs on CUDA, eager elsewhere; True =
+    # always eager; False on a CPU runs the static-buffer path uncaptured (tests).
+    enforce_eager: bool | None = None
     cuda_graph_max_bs: int = 256
     # "auto": safetensors weights; "dummy": random weights at the config's shapes (benchmarks)
     load_format: str = "auto"

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests check prefill decode decode-eager hf ab serve kernels audit
+# stages: tests check prefill decode decode-eager hf ab serve kernels attention profile ncu audit
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -18,10 +18,16 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=python3
 MS="$PY -m mambaserve.cli"
 PRESET=nemotron-nano-9b-v2
+# fastapi 0.165 imports opentelemetry-api, which the GPU image lacks: its wheel is in .whl too
 if [ -d .whl ] && ! $PY -c "import fastapi, uvicorn" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+if [ -d .whl/plot ] && ! $PY -c "import matplotlib" 2>/dev/null; then  # bench serve's PNG
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site-plot .whl/plot/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site-plot
+fi
+$PY -c "import fastapi, uvicorn, httpx, tqdm, matplotlib" 2>&1 | tail -1
 
 log() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 run() {  # run STAGE_NAME DEFAULT_TIMEOUT CMD...
@@ -94,6 +100,23 @@ write_config(preset_config('$PRESET'), '$dir')"
         >"$W/serve_metrics.txt" 2>&1
     kill -TERM $pid; wait $pid
     log "serve: server exit $?"
+}
+stage_profile() {  # where the device time of a prefill step and a decode step goes
+    run profile-8x2048 240 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 8 --input-len 2048 --steps 4 --engine enforce_eager=false \
+        --out "$W/profile_8x2048.json"
+    run profile-1x2048 180 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1 --input-len 2048 --steps 16 --engine enforce_eager=false \
+        --out "$W/profile_1x2048.json"
+}
+stage_attention() {  # prefill attention: per-token vs tiled kernel vs torch SDPA
+    run attention 180 $PY bench/kernels.py --only attention --sweep --out "$W/attention.json"
+}
+stage_ncu() {  # hardware counters of the SSD scan's launches, ours and mamba_ssm's (1x8192)
+    PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run ncu 240 ncu --clock-control none \
+        --profile-from-start off --kernel-name regex:'_chunk_scan|_chunk_state|_state_passing' \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis $PY scripts/ssd_once.py 1x8192
 }
 stage_kernels() {
     PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run kernels 300 $PY bench/kernels.py \

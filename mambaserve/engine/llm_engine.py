@@ -51,7 +51,9 @@ class LLMEngine:
             self.state_pool, self.kv_pool, config.max_num_seqs, config.chunked_prefill_size,
             SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None)
         self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
-        if not config.enforce_eager:
+        eager = config.enforce_eager if config.enforce_eager is not None \
+            else self.device.type != "cuda"
+        if not eager:
             from mambaserve.engine.cuda_graph import CudaGraphRunner
 
             self.runner.graph_runner = CudaGraphRunner(

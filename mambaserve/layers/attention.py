@@ -31,5 +31,5 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta.page_table, meta.token_row, meta.positions,
-                              meta.max_kv_len, self.scale)
+                              meta.max_kv_len, self.scale, meta.num_prefill_tokens)
         return self.o_proj(out.reshape(T, -1))

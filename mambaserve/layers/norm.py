@@ -1,9 +1,13 @@
-"""RMSNorm as NemotronH computes it: float32 statistics and weight multiply, cast back after."""
+"""RMSNorm as NemotronH computes it: float32 statistics and weight multiply, cast back after.
+The math lives in `mambaserve.ops.rmsnorm` (one Triton pass on CUDA, the torch reference
+elsewhere); `forward(x, residual)` also folds the residual add before the norm into that pass."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from mambaserve.ops.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -12,7 +16,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x); with `residual`: s = residual + x and (RMSNorm(s), s)."""
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -58,18 +58,22 @@ class NemotronHForCausalLM(nn.Module):
         conv_state: [L_mamba, slots + 1, K-1, conv_dim]; ssm_state: [L_mamba, slots + 1, H, P, N];
         kv_cache: [L_attn, 2, pages + 1, page_size, H_kv, head_dim].
         """
-        h = self.embeddings(meta.input_ids)
+        h = self.embeddings(meta.input_ids)  # the residual stream
+        out = None  # the previous block's mixer output, not yet added to h
         for i, block in enumerate(self.layers):
-            x = block.norm(h)
+            if out is None:
+                x = block.norm(h)
+            else:  # h = h + out; x = norm(h), in one pass (the same rounding as two torch ops)
+                x, h = block.norm(out, h)
             if block.kind is LayerKind.MAMBA:
                 n = self.mamba_index[i]
-                x = block.mixer(x, meta, conv_state[n], ssm_state[n])
+                out = block.mixer(x, meta, conv_state[n], ssm_state[n])
             elif block.kind is LayerKind.ATTENTION:
-                x = block.mixer(x, meta, kv_cache[self.attention_index[i]])
+                out = block.mixer(x, meta, kv_cache[self.attention_index[i]])
             else:
-                x = block.mixer(x)
-            h = h + x
-        h = h.index_select(0, meta.logits_idx)
+                out = block.mixer(x)
+        # only the rows whose logits are needed take the last add and the final norm
+        h = h.index_select(0, meta.logits_idx) + out.index_select(0, meta.logits_idx)
         return self.lm_head(self.norm_f(h)).float()
 
 

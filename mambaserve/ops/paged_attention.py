@@ -37,16 +37,32 @@ def paged_attention(
     positions: torch.Tensor,
     max_kv_len: int,
     scale: float,
+    num_prefill_tokens: int = 0,
 ) -> torch.Tensor:
     """q: [T, H, head_dim]; page_table: [R, max_pages] int64; token_row, positions: [T] int64;
-    max_kv_len: host int >= every row's length after this forward. Returns [T, H, head_dim]."""
+    max_kv_len: host int >= every row's length after this forward; num_prefill_tokens: host int,
+    the first tokens that belong to prefill rows (the engine's batch layout: prefill tokens, then
+    one token per decode row). Returns [T, H, head_dim].
+
+    On CUDA the prefill tokens go to the tiled kernel (a block of consecutive tokens shares each
+    K/V load: flash-attention style) and the decode tokens to the per-token kernel (one program
+    per token and KV head, split over the keys when that is too few programs)."""
     from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
 
     if q.is_cuda and triton_available():
         from mambaserve.ops.triton.paged_attention import paged_attention_triton
 
-        return paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv_len,
-                                      scale)
+        Tp = num_prefill_tokens
+        if Tp == 0:
+            return paged_attention_triton(q, kv_cache, page_table, token_row, positions,
+                                          max_kv_len, scale)
+        pre = paged_attention_triton(q[:Tp], kv_cache, page_table, token_row[:Tp],
+                                     positions[:Tp], max_kv_len, scale, tiled=True)
+        if Tp == q.shape[0]:
+            return pre
+        dec = paged_attention_triton(q[Tp:], kv_cache, page_table, token_row[Tp:],
+                                     positions[Tp:], max_kv_len, scale)
+        return torch.cat([pre, dec])
     return paged_attention_ref(q, kv_cache, page_table, token_row, positions, max_kv_len, scale)
 
 

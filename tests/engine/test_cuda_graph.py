@@ -125,7 +125,7 @@ def test_static_buffer_path_matches_eager_on_cpu(tiny_ckpt, prefix):
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
     kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24,
               "enable_prefix_caching": prefix}
-    eager = LLM(tiny_ckpt, **kw)
+    eager = LLM(tiny_ckpt, **kw)  # the default on a CPU: eager
     graph = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, **kw)
     gr = graph.engine.runner.graph_runner
     assert eager.engine.runner.graph_runner is None and gr is not None
@@ -162,10 +162,10 @@ def test_cuda_graph_matches_eager_on_gpu(tiny_ckpt, prefix):
     kw = {"device": "cuda", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
               "chunked_prefill_size": 32, "enable_prefix_caching": prefix,
               "memory_budget_bytes": 64 << 20}
-    eager = LLM(tiny_ckpt, **kw)
-    graph = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=8, **kw)
+    eager = LLM(tiny_ckpt, enforce_eager=True, **kw)
+    graph = LLM(tiny_ckpt, cuda_graph_max_bs=8, **kw)  # the default on CUDA: graphs
     gr = graph.engine.runner.graph_runner
-    assert sorted(gr.graphs) == [1, 2, 4, 8]
+    assert eager.engine.runner.graph_runner is None and sorted(gr.graphs) == [1, 2, 4, 8]
     prompts = _prompts() + [p[:7] for p in _prompts()]
     assert _generate(graph, prompts, params) == _generate(eager, prompts, params)
     if prefix:

@@ -113,3 +113,40 @@ def test_max_kv_len_beyond_longest_row():
     v = torch.cat([kv[1, 7], kv[1, 2, :1]])
     ref = naive_causal_attention(q[3:], k, v, torch.tensor([4]), 0.3)
     torch.testing.assert_close(a[3:], ref.float(), **TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_and_decode_tokens_split_between_kernels_on_gpu(dtype):
+    """With `num_prefill_tokens` the prefill tokens take the tiled kernel and the decode tokens
+    the per-token kernel (mixed, prefill-only and decode-only batches): same as the reference."""
+    from mambaserve.metadata import BatchPlan, build_metadata
+    from mambaserve.ops.paged_attention import paged_attention_ref
+
+    H, Hkv, Dh, page = 40, 8, 128, 16
+    g = torch.Generator().manual_seed(7)
+    lens = [(0, 300), (40, 77), (0, 1)]  # (context, new) prefill rows
+    dec = [(500, 1), (3, 1), (0, 1)]
+    pages, at = [], 0
+    for c, n in lens + dec:
+        k = -(-(c + n) // page)
+        pages.append(list(range(at, at + k)))
+        at += k
+    plan = BatchPlan(prefills=[row(n, c, i, c > 0, pages[i]) for i, (c, n) in enumerate(lens)],
+                     decodes=[row(1, c, len(lens) + j, True, pages[len(lens) + j])
+                              for j, (c, _) in enumerate(dec)])
+    meta = build_metadata(plan, chunk_size=8, conv_kernel=4, page_size=page, scratch_page=at,
+                          device="cuda")
+    kv = torch.randn(2, at + 1, page, Hkv, Dh, generator=g).to("cuda", dtype)
+    q = torch.randn(meta.num_tokens, H, Dh, generator=g).to("cuda", dtype)
+    args = (kv, meta.page_table, meta.token_row, meta.positions, meta.max_kv_len, Dh ** -0.5)
+    ref = paged_attention_ref(q, *args)
+    tol = {"rtol": 2e-5, "atol": 2e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    Tp = meta.num_prefill_tokens
+    torch.testing.assert_close(paged_attention(q, *args, Tp), ref, **tol)
+    torch.testing.assert_close(paged_attention(q[:Tp], kv, meta.page_table, meta.token_row[:Tp],
+                                               meta.positions[:Tp], meta.max_kv_len, Dh ** -0.5,
+                                               Tp), ref[:Tp], **tol)
+    torch.testing.assert_close(paged_attention(q[Tp:], kv, meta.page_table, meta.token_row[Tp:],
+                                               meta.positions[Tp:], meta.max_kv_len, Dh ** -0.5),
+                               ref[Tp:], **tol)

@@ -1,0 +1,255 @@
+"""`mambaserve bench profile`: where the time of a prefill step and of a decode step goes.
+
+One batch of B prompts of L tokens runs through the engine under `torch.profiler`: first the
+prefill (every step until each prompt has its first token), then `--steps` decode steps. The
+device time of every kernel is summed by name and grouped (matmul, SSD scan, conv, attention,
+norm, state update, copies, elementwise, other); the report gives each group's share of the
+step, how busy the device was during the step (busy / wall: the rest is host time the device
+waited for), the matmuls' achieved TFLOP/s against the matmul ceiling (prefill) and their
+achieved bandwidth against the copy ceiling (decode). This is the evidence docs/benchmarks.md
+cites for what bounds a missed target.
+
+    mambaserve bench profile --preset nemotron-nano-9b-v2 --device cuda --batch-size 8 \\
+        --input-len 2048 --steps 8 --engine enforce_eager=false --out prof.json
+
+On CUDA the kernel times come from the profiler's trace (CUPTI: kernels replayed inside a CUDA
+graph are seen too); on the CPU (smoke test) from the operators' self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mambaserve.bench.one_batch import (
+    ModelCounts,
+    OneBatchConfig,
+    _MambaserveBackend,
+    _prompts,
+    _sync,
+    copy_ceiling,
+    matmul_ceiling,
+    parse_settings,
+)
+
+# (group, substrings of a kernel / operator name), first match wins; names are lower-cased.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ssd", ("_chunk_", "state_passing", "ssd")),
+    ("conv", ("conv",)),
+    ("state_update", ("_ssu_", "selective_state")),
+    ("attention", ("attention", "flash", "fmha", "sdpa", "write_kv", "rotary")),
+    ("norm", ("rmsnorm", "norm")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm",
+                "aten::bmm", "aten::linear", "aten::matmul", "splitk")),
+    ("copy", ("memcpy", "memset", "copy", "aten::cat", "index", "gather", "scatter", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "softmax", "aten::", "triton_")),
+)
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+@dataclass
+class PhaseProfile:
+    phase: str  # "prefill" or "decode"
+    steps: int  # engine steps profiled
+    wall_s: float  # host wall time of those steps (synchronized)
+    device_busy_s: float  # union of kernel intervals (CUDA) or summed self time (CPU)
+    groups: dict[str, float]  # group -> seconds
+    top: list[tuple[str, float, int]]  # (name, seconds, calls), longest first
+    matmul_flops: float = 0.0  # prefill: the weight matmuls' FLOPs
+    matmul_bytes: float = 0.0  # decode: the weights the matmuls read
+    notes: list[str] = field(default_factory=list)
+
+
+def _kernel_times(prof, device: torch.device) -> tuple[dict[str, list[float]], float]:
+    """{name: [total seconds, calls]} and the busy time (union of intervals)."""
+    times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    if device.type == "cuda":
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            events = json.loads(path.read_text()).get("traceEvents", [])
+        spans = []
+        for e in events:
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+                t = times[e["name"]]
+                t[0] += e["dur"] * 1e-6
+                t[1] += 1
+                spans.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+        busy, end = 0.0, float("-inf")
+        for a, b in sorted(spans):
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        return dict(times), busy * 1e-6
+    for e in prof.key_averages():
+        if e.self_cpu_time_total > 0:
+            t = times[e.key]
+            t[0] += e.self_cpu_time_total * 1e-6
+            t[1] += e.count
+    return dict(times), sum(t[0] for t in times.values())
+
+
+def _profiled(fn, device: torch.device):
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        _sync(device)
+        t0 = time.perf_counter()
+        steps = fn()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    return prof, wall, steps
+
+
+def _phase(name: str, prof, wall: float, steps: int, device: torch.device, top: int,
+           **extra) -> PhaseProfile:
+    times, busy = _kernel_times(prof, device)
+    groups: dict[str, float] = defaultdict(float)
+    for k, (s, _) in times.items():
+        groups[group_of(k)] += s
+    ranked = sorted(((k, s, int(c)) for k, (s, c) in times.items()), key=lambda r: -r[1])
+    return PhaseProfile(name, steps, wall, busy, dict(groups), ranked[:top], **extra)
+
+
+def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
+                  log=print) -> list[PhaseProfile]:
+    """Profile the prefill of one batch and `decode_steps` decode steps after it."""
+    from mambaserve.bench.presets import materialize_preset
+    from mambaserve.config import ModelConfig, resolve_dtype
+    from mambaserve.engine.sampling_params import SamplingParams
+
+    c.validate()
+    if len(c.batch_sizes) != 1 or len(c.input_lens) != 1:
+        raise ValueError("bench profile takes one batch size and one input length")
+    if decode_steps < 1:
+        raise ValueError("--steps must be >= 1")
+    b, n = c.batch_sizes[0], c.input_lens[0]
+    device, dtype = torch.device(c.device), resolve_dtype(c.dtype)
+    c.output_len = max(c.output_len, decode_steps + 2)
+    load_format = c.engine.pop("load_format", "auto")
+    tmp = None
+    if c.preset:
+        path, load_format, tmp = materialize_preset(c.preset, None, dtype=dtype, device=device,
+                                                    seed=c.seed)
+    else:
+        path = Path(c.model)
+    try:
+        cfg_dict = json.loads((path / "config.json").read_text())
+        counts = ModelCounts.of(cfg_dict)
+        cfg = ModelConfig.from_dict(cfg_dict)
+        backend = _MambaserveBackend(path, c, load_format)
+        for w in range(c.warmup):  # compile, autotune, capture the graphs on the same shapes
+            backend.run(b, n, decode_steps + 2, c.seed + 1000 + w)
+        eng = backend.engine
+        params = SamplingParams(temperature=0, max_tokens=c.output_len, ignore_eos=True)
+        ids = []
+        for prompt in _prompts(cfg.vocab_size, b, n, c.seed):
+            backend.counter += 1
+            ids.append(f"p{backend.counter}")
+            eng.add_request(ids[-1], {"prompt_token_ids": prompt}, params)
+
+        def prefill() -> int:
+            started: set[str] = set()
+            steps = 0
+            while len(started) < b:
+                outs = eng.step()
+                steps += 1
+                started.update(o.request_id for o in outs if o.outputs[0].token_ids)
+            return steps
+
+        def decode() -> int:
+            for _ in range(decode_steps):
+                eng.step()
+            return decode_steps
+
+        prof, wall, steps = _profiled(prefill, device)
+        pre = _phase("prefill", prof, wall, steps, device, top,
+                     matmul_flops=2.0 * (counts.per_token * b * n + counts.lm_head * b))
+        prof, wall, steps = _profiled(decode, device)
+        weight_bytes = (counts.params - counts.embedding) * dtype.itemsize
+        dec = _phase("decode", prof, wall, steps, device, top, matmul_bytes=float(weight_bytes))
+        while eng.has_unfinished_requests():
+            eng.step()
+        mm, cp = matmul_ceiling(device, dtype), copy_ceiling(device)
+        for p in (pre, dec):
+            mat = p.groups.get("matmul", 0.0)
+            if p.matmul_flops and mat:
+                p.notes.append(f"matmuls: {p.matmul_flops / mat / 1e12:.1f} TFLOP/s = "
+                               f"{100 * p.matmul_flops / mat / mm['flops']:.0f} % of the "
+                               f"{mm['flops'] / 1e12:.0f} TFLOP/s matmul ceiling")
+            if p.matmul_bytes and mat:
+                per_step = mat / p.steps
+                p.notes.append(f"matmuls: {p.matmul_bytes / per_step / 1e9:.0f} GB/s of weights "
+                               f"= {100 * p.matmul_bytes / per_step / cp['bytes_per_s']:.0f} % "
+                               f"of the {cp['bytes_per_s'] / 1e9:.0f} GB/s copy ceiling")
+        log(f"profile: batch {b} x input {n} on {device} ({c.dtype}), engine {c.engine or '{}'}")
+        for p in (pre, dec):
+            log(format_phase(p))
+        return [pre, dec]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def format_phase(p: PhaseProfile) -> str:
+    per = 1e3 / p.steps
+    lines = [f"{p.phase}: {p.steps} step(s), {p.wall_s * per:.3f} ms/step wall, device busy "
+             f"{p.device_busy_s * per:.3f} ms/step ({100 * p.device_busy_s / p.wall_s:.0f} %)",
+             "| group | ms/step | % of busy |", "|---|---|---|"]
+    total = sum(p.groups.values()) or 1.0
+    for g, s in sorted(p.groups.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {g} | {s * per:.3f} | {100 * s / total:.1f} |")
+    lines += ["| kernel | group | ms/step | calls/step |", "|---|---|---|---|"]
+    for name, s, calls in p.top:
+        short = name if len(name) < 70 else name[:67] + "..."
+        lines.append(f"| `{short}` | {group_of(name)} | {s * per:.3f} | {calls / p.steps:g} |")
+    lines += p.notes
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", default=None, help="HF checkpoint folder")
+    src.add_argument("--preset", default=None, help="nemotron-nano-9b-v2 | tiny (random weights)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8, help="decode steps profiled after the prefill")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--top", type=int, default=15, help="kernels listed per phase")
+    p.add_argument("--engine", default="", metavar="K=V,...",
+                   help="extra EngineConfig settings, e.g. enforce_eager=false")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write both phases as JSON")
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    try:
+        c = OneBatchConfig(model=a.model, preset=a.preset, batch_sizes=[a.batch_size],
+                           input_lens=[a.input_len], device=a.device, dtype=a.dtype,
+                           warmup=a.warmup, seed=a.seed, engine=parse_settings(a.engine))
+        phases = profile_batch(c, decode_steps=a.steps, top=a.top)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.out:
+        Path(a.out).write_text(json.dumps([asdict(p) for p in phases], indent=1))
+    return 0
+

@@ -1,0 +1,40 @@
+"""RMSNorm of the decoder blocks, optionally fused with the residual add before it.
+
+`rms_norm(x, weight, eps)` is NemotronH's RMSNorm (`mambaserve.layers.norm.RMSNorm`): float32
+statistics and weight multiply, one cast back to x.dtype at the end.
+
+`rms_norm(x, weight, eps, residual)` first forms the residual stream s = residual + x (rounded to
+x.dtype, as torch's add does) and normalizes s; it returns (RMSNorm(s), s). A block's
+`h = h + mixer_out; x = norm(h)` becomes one pass that reads h and mixer_out once and writes both
+the new residual stream and the normalized input of the next mixer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, D] (rows may be strided); weight: [D]; residual: None or like x.
+
+    Returns out [T, D] in x.dtype, or (out, s) with s = residual + x when residual is given.
+    """
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if x.is_cuda and triton_available():
+        from mambaserve.ops.triton.rmsnorm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    # The float math is `RMSNorm.forward` verbatim, so the fused op can replace the module
+    # bit-for-bit on the reference path.
+    s = x if residual is None else residual + x
+    h = s.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = (weight.float() * h).to(s.dtype)
+    return out if residual is None else (out, s)

@@ -1,0 +1,80 @@
+"""Triton RMSNorm, optionally fused with the residual add: out = cast(w · rmsnorm(s)), s = r + x.
+
+Grid: (tokens,). One program holds one whole row in registers (BLOCK_D = next power of two >= D,
+masked), so each input is read once and each output written once: with a residual it loads x
+and r, stores s = cast(r + x) and normalizes the rounded s (what the reference normalizes); the
+mean square, rsqrt and weight multiply are float32, with one cast to x.dtype at the end. A single
+pass fits the hidden sizes in use (Nemotron-H: 4480 -> BLOCK_D 8192, 32 fp32 values per thread
+and tensor at 8 warps); the launcher refuses rows wider than 32K.
+
+The launcher reads no device value (shapes and strides only) and allocates with torch.empty, so
+it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# 64 fp32 values per thread and tensor at 16 warps; wider rows would need a looped two-pass kernel
+_MAX_BLOCK_D = 32768
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, D, eps,
+    x_t, x_d, r_t, r_d, w_d, o_t, s_t,
+    HAS_RESIDUAL: tl.constexpr, ADD_NATIVE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)  # row strides of wide strided views can pass 2^31 / T
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    xv = tl.load(x_ptr + t * x_t + offs * x_d, mask=m, other=0.0)
+    if HAS_RESIDUAL:
+        rv = tl.load(r_ptr + t * r_t + offs * r_d, mask=m, other=0.0)
+        # The add as torch does it: half/bf16 in fp32 with one rounding to the dtype (bit-identical
+        # to the reference's s), fp32 and fp64 natively. The rounded s is what gets normalized.
+        if ADD_NATIVE:
+            s = xv + rv
+        else:
+            s = (xv.to(tl.float32) + rv.to(tl.float32)).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + t * s_t + offs, s, mask=m)
+        xv = s
+    h = xv.to(tl.float32)
+    # masked lanes hold 0, so they add nothing to the sum of squares
+    ms = tl.sum(h * h, axis=0) / D
+    h = h * tl.rsqrt(ms + eps)
+    w = tl.load(w_ptr + offs * w_d, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * o_t + offs, (w * h).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm_triton(x, weight, eps, residual=None, *, num_warps: int | None = None):
+    """Same contract as `mambaserve.ops.rmsnorm.rms_norm`; outputs are contiguous."""
+    assert x.dim() == 2, x.shape
+    T, D = x.shape
+    assert weight.shape == (D,), (x.shape, weight.shape)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (
+            x.shape, x.dtype, residual.shape, residual.dtype)
+    out = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty((T, D), dtype=x.dtype, device=x.device)
+    if T == 0 or D == 0:
+        return out if s is None else (out, s)
+    BLOCK_D = triton.next_power_of_2(D)
+    assert BLOCK_D <= _MAX_BLOCK_D, f"rms_norm_triton: row of {D} too wide for one pass"
+    if num_warps is None:
+        # at most 16 values per thread and tensor up to 4096, 32 at 8192 (Nemotron-H's 4480),
+        # then 16 warps; a guess, not swept
+        num_warps = 16 if BLOCK_D >= 16384 else max(1, min(8, BLOCK_D // 512))
+    # Without a residual the kernel never touches r/s (HAS_RESIDUAL is a constexpr): pass x and
+    # out in their place so every pointer argument is a real tensor.
+    r, s_arg = (x, out) if residual is None else (residual, s)
+    _rms_norm_kernel[(T,)](
+        x, r, weight, out, s_arg, D, float(eps),
+        x.stride(0), x.stride(1), r.stride(0), r.stride(1), weight.stride(0),
+        out.stride(0), s_arg.stride(0),
+        HAS_RESIDUAL=residual is not None, ADD_NATIVE=x.dtype in (torch.float32, torch.float64),
+        BLOCK_D=BLOCK_D, num_warps=num_warps,
+    )
+    return out if s is None else (out, s)

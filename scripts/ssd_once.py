@@ -1,0 +1,66 @@
+"""One SSD chunked-scan forward at a Nemotron-Nano-9B-v2 Mamba-layer shape (ours, then mamba_ssm's
+`mamba_chunk_scan_combined` when importable), for Nsight Compute (GPU machine, repo root). Both
+are warmed up (compiled, autotuned) first; only the one call of each made between
+cudaProfilerStart and cudaProfilerStop is profiled:
+
+    PYTHONPATH=.:.peer/mamba_ssm-2.3.2.post1 ncu --clock-control none --profile-from-start off \\
+        --kernel-name regex:'_chunk_scan|_chunk_state' \\
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \\
+        python3 scripts/ssd_once.py 1x8192
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+H, P, N, G, K, L = 128, 80, 128, 8, 4, 128
+
+
+def main(shape: str) -> None:
+    from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+    from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
+
+    nrows, seqlen = (int(v) for v in shape.split("x"))
+    plan = BatchPlan(prefills=[RowPlan([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
+                     decodes=[])
+    meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=1 << 20, scratch_page=0,
+                          device="cuda")
+    T = meta.num_prefill_tokens
+    g = torch.Generator(device="cuda").manual_seed(1)
+    xbc = torch.randn(T, H * P + 2 * G * N, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = xbc[:, :H * P].view(T, H, P)
+    Bm = xbc[:, H * P: H * P + G * N].view(T, G, N)
+    Cm = xbc[:, H * P + G * N:].view(T, G, N)
+    dt = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g) - 1
+    A = -torch.rand(H, device="cuda", generator=g) * 2 - 0.05
+    D = torch.randn(H, device="cuda", generator=g)
+    dt_bias = torch.randn(H, device="cuda", generator=g) * 0.5
+    ssm = torch.zeros(nrows + 1, H, P, N, device="cuda")
+    args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
+            meta.chunk_token_idx, meta.token_chunk_pos, meta.row_chunks, meta.row_num_chunks)
+    calls = [lambda: ssd_chunk_scan_varlen_triton(x, dt, A, Bm, Cm, D, dt_bias,
+                                                  (0.0, float("inf")), ssm, *args)]
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+        calls.append(lambda: mamba_chunk_scan_combined(
+            x.reshape(nrows, seqlen, H, P), dt.reshape(nrows, seqlen, H), A,
+            Bm.reshape(nrows, seqlen, G, N), Cm.reshape(nrows, seqlen, G, N), L, D=D,
+            dt_bias=dt_bias, dt_softplus=True, return_final_states=True))
+    except Exception as e:  # noqa: BLE001
+        print(f"mamba_ssm not importable ({type(e).__name__}: {e}): ours only")
+    for fn in calls:  # compile / autotune outside the profiled range
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "1x8192")

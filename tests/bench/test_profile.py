@@ -1,0 +1,54 @@
+"""`mambaserve bench profile` on the CPU (tiny preset): both phases profiled, kernel groups."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mambaserve.bench.one_batch import OneBatchConfig
+from mambaserve.bench.profile import format_phase, group_of, profile_batch
+from mambaserve.cli import main
+
+
+@pytest.mark.parametrize("name, group", [
+    ("_chunk_scan_kernel", "ssd"), ("_state_passing_kernel", "ssd"),
+    ("_conv_varlen_kernel", "conv"), ("_ssu_kernel", "state_update"),
+    ("_paged_attention_kernel", "attention"), ("_write_kv_kernel", "attention"),
+    ("_gated_rmsnorm_kernel", "norm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"), ("aten::mm", "matmul"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu>", "elementwise"),
+    ("some_unknown_kernel", "other"),
+])
+def test_group_of_real_kernel_names(name, group):
+    assert group_of(name) == group
+
+
+def test_profile_tiny_on_cpu():
+    logs = []
+    pre, dec = profile_batch(OneBatchConfig(preset="tiny", batch_sizes=[2], input_lens=[24],
+                                            dtype="float32"), decode_steps=3, top=5,
+                             log=logs.append)
+    assert (pre.phase, pre.steps, dec.phase, dec.steps) == ("prefill", 1, "decode", 3)
+    for p in (pre, dec):
+        assert p.wall_s > 0 and p.device_busy_s > 0
+        # on the CPU the busy time is the operators' summed self time, every group included
+        assert sum(p.groups.values()) == pytest.approx(p.device_busy_s)
+        assert p.groups["matmul"] > 0 and len(p.top) == 5
+        assert [t[1] for t in p.top] == sorted((t[1] for t in p.top), reverse=True)
+        assert any(g in format_phase(p) for g in p.groups)
+    assert pre.matmul_flops > 0 and "TFLOP/s" in pre.notes[0]
+    assert dec.matmul_bytes > 0 and "GB/s" in dec.notes[0]
+    assert "prefill:" in logs[1] and "decode:" in logs[2]
+
+
+def test_profile_cli_writes_json_and_rejects_bad_input(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["bench", "profile", "--preset", "tiny", "--dtype", "float32", "--batch-size",
+                 "1", "--input-len", "8", "--steps", "2", "--out", str(out)]) == 0
+    phases = json.loads(out.read_text())
+    assert [p["phase"] for p in phases] == ["prefill", "decode"]
+    assert main(["bench", "profile", "--preset", "tiny", "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
