@@ -209,8 +209,8 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
 
 def format_phase(p: PhaseProfile) -> str:
     per = 1e3 / p.steps
-    lines = [f"{p.phase}: {p.steps} step(s), {p.wall_s * per:.3f} ms/step wall, device busy "
-             f"{p.device_busy_s * per:.3f} ms/step ({100 * p.device_busy_s / p.wall_s:.0f} %)",
+    lines = [(f"{p.phase}: {p.steps} step(s), {p.wall_s * per:.3f} ms/step wall, device busy "
+              f"{p.device_busy_s * per:.3f} ms/step ({100 * p.device_busy_s / p.wall_s:.0f} %)"),
              "| group | ms/step | % of busy |", "|---|---|---|"]
     total = sum(p.groups.values()) or 1.0
     for g, s in sorted(p.groups.items(), key=lambda kv: -kv[1]):
