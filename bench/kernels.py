@@ -306,10 +306,15 @@ def prefill(peer, shapes, sweep):
         s1 = ssm.clone()
         yr, er = ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1, *args)
         variants = [("triton", {})]
-        if sweep and nrows < 8:
-            variants += [(f"triton scan bp{bp} w{nw}", {"block_p_scan": bp, "num_warps_scan": nw})
-                         for bp, nw in ((64, 4), (128, 8), (32, 2))]
-            variants += [(f"triton state bp{bp}", {"block_p_state": bp}) for bp in (16, 64)]
+        if sweep:
+            variants += [(f"triton scan m{bm} bp{bp} k{bk} w{nw}",
+                          {"block_m_scan": bm, "block_p_scan": bp, "block_k_scan": bk,
+                           "num_warps_scan": nw})
+                         for bm, bp, bk, nw in ((64, 64, 64, 4), (64, 128, 64, 8),
+                                                (128, 32, 64, 8), (128, 64, 32, 8),
+                                                (128, 128, 32, 8), (32, 128, 32, 4),
+                                                (64, 64, 32, 4), (64, 32, 32, 2))]
+            variants += [(f"triton state bp{bp}", {"block_p_state": bp}) for bp in (32, 128)]
             variants += [("A only (chunk state)", {"_stop_after": "state"}),
                          ("A+B (+state passing)", {"_stop_after": "passing"})]
         for name, kw in variants:

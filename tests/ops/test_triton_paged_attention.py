@@ -18,11 +18,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+import mambaserve.ops.triton.paged_attention as tpa
 from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
 from mambaserve.ops.paged_attention import paged_attention_ref
 from mambaserve.ops.paged_attention import write_kv as write_kv_any
 from mambaserve.ops.triton.paged_attention import (
     _paged_attention_kernel,
+    choose_num_splits,
     paged_attention_triton,
     write_kv_triton,
 )
@@ -52,9 +54,10 @@ def _row(n, ctx, slot, pages):
                    pages=pages)
 
 
-def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, **kw):
+def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, max_kv_len=None, **kw):
     """prefills / decodes: (context_len, new tokens). Writes every cached prefix with one
-    forward, then runs the mixed batch; checks the pool and the attention output."""
+    forward, then runs the mixed batch; checks the pool and the attention output. `max_kv_len`
+    overrides the bound given to the kernel (the reference always gets the metadata's)."""
     g = torch.Generator().manual_seed(seed)
     reqs = list(prefills) + list(decodes)
     lens = [c + n for c, n in reqs]
@@ -99,7 +102,8 @@ def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, **kw):
     ref = paged_attention_ref(q, kv_ref, meta.page_table, meta.token_row, meta.positions,
                               meta.max_kv_len, scale)
     out = paged_attention_triton(q, kv_tri, meta.page_table, meta.token_row, meta.positions,
-                                 meta.max_kv_len, scale, **kw)
+                                 meta.max_kv_len if max_kv_len is None else max_kv_len, scale,
+                                 **kw)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()
     return out, ref
@@ -171,6 +175,100 @@ def test_paged_attention_ignores_nonfinite_stale_slots(tiled):
     ref = paged_attention_ref(q, clean, meta.page_table, meta.token_row, meta.positions,
                               meta.max_kv_len, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# split-KV (flash decoding) in the per-token kernel. BLOCK_N is 16 at page 4 and 16, so a token
+# with n = position + 1 keys gets partitions of round_up(cdiv(n, num_splits), 16) keys: n = 1 and
+# n <= 16 leave every partition but the first empty, n = 38 with 5 splits fills 3 (the last one
+# partial: 6 keys) and leaves 2 empty, n = 100 with 5 splits fills 4 (32, 32, 32, 4) and leaves
+# the fifth empty. A short prefill row sends tokens at positions 0..6 through the same kernel.
+SPLIT_PREFILLS = [(0, 7)]
+SPLIT_DECODES = [(0, 1), (5, 1), (15, 1), (16, 1), (37, 1), (47, 1), (64, 1), (99, 1)]
+SPLIT_CASES = [(4, 10, 2, 16), (16, 10, 2, 32), (4, 2, 2, 32)]  # (page, H, Hkv, Dh): rep 5, 5, 1
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+@pytest.mark.parametrize("page_size,H,Hkv,Dh", SPLIT_CASES)
+def test_paged_attention_split_kv_fp32(page_size, H, Hkv, Dh, num_splits):
+    out, ref = _run(SPLIT_PREFILLS, SPLIT_DECODES, page_size, H, Hkv, Dh, torch.float32,
+                    seed=num_splits + Dh, num_splits=num_splits)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("page_size,H,Hkv,Dh", SPLIT_CASES[:2])
+def test_paged_attention_split_kv_fp16(page_size, H, Hkv, Dh, num_splits):
+    out, ref = _run(SPLIT_PREFILLS, SPLIT_DECODES, page_size, H, Hkv, Dh, torch.float16,
+                    seed=num_splits, num_splits=num_splits)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_paged_attention_split_kv_ignores_nan_past_length(num_splits):
+    """The whole pool is NaN except each row's keys 0..len-1 (unwritten page tails, pages nobody
+    owns, the scratch page): split partitions, empty ones included, must not leak any of it."""
+    page_size, H, Hkv, Dh = 4, 10, 2, 16
+    ctxs = [37, 0, 12, 70]
+    g = torch.Generator().manual_seed(num_splits)
+    need = [-(-(c + 1) // page_size) for c in ctxs]
+    num_pages = sum(need) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    pages, at = [], 0
+    for n in need:
+        pages.append(perm[at: at + n])
+        at += n
+    meta = _meta([], [_row(1, c, i, pages[i]) for i, c in enumerate(ctxs)], page_size, num_pages)
+    kv = torch.full((2, num_pages + 1, page_size, Hkv, Dh), float("nan"))
+    for c, pg in zip(ctxs, pages):
+        for j in range(c + 1):
+            kv[:, pg[j // page_size], j % page_size] = torch.randn(2, Hkv, Dh, generator=g)
+    kv = kv.to(DEV)
+    q = torch.randn(meta.num_tokens, H, Dh, generator=g).to(DEV)
+    out = paged_attention_triton(q, kv, meta.page_table, meta.token_row, meta.positions,
+                                 meta.max_kv_len, 0.25, num_splits=num_splits)
+    assert torch.isfinite(out).all()
+    ref = paged_attention_ref(q, kv.nan_to_num(0.0), meta.page_table, meta.token_row,
+                              meta.positions, meta.max_kv_len, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(1, 8, 2048, 264) == 8  # 9B decode batch 1: 2048 / 256
+    assert choose_num_splits(1, 8, 131072, 264) == 33  # cdiv(264, 8) programs' worth
+    assert choose_num_splits(4, 8, 8192, 264) == 9
+    assert choose_num_splits(33, 8, 8192, 264) == 1  # 264 programs: already full
+    assert choose_num_splits(1, 8, 100, 264) == 1  # short context: one partition
+    assert choose_num_splits(1, 8, 0, 264) == 1
+    assert choose_num_splits(1, 2, 512, 264, min_split_keys=32) == 16
+
+
+class _Spy:
+    """Wraps a jitted kernel to record the grids it is launched with."""
+
+    def __init__(self, fn):
+        self.fn, self.grids = fn, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.fn[grid]
+
+
+@pytest.mark.parametrize("max_kv_len,min_split_keys,splits", [
+    (512, 32, 16),  # 16 partitions; tokens of up to 100 keys fill up to 4 of 32 keys
+    (4096, 256, 16),  # CUDA-graph-like loose bound: only partition 0 holds keys
+    (40, 16, 3),  # bound below the real lengths: the partitions still cover every key
+])
+def test_paged_attention_split_kv_heuristic(monkeypatch, max_kv_len, min_split_keys, splits):
+    """num_splits=None with one decode token (T * H_kv = 2 programs): the launcher picks > 1
+    split from host ints; the result matches the reference."""
+    spy = _Spy(tpa._paged_attention_combine_kernel)
+    monkeypatch.setattr(tpa, "_paged_attention_combine_kernel", spy)
+    out, ref = _run([], [(99, 1)], 4, 10, 2, 16, torch.float32, seed=5, max_kv_len=max_kv_len,
+                    min_split_keys=min_split_keys)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert spy.grids == [(1, 10)]
+    assert choose_num_splits(1, 2, max_kv_len, tpa._target_programs(out.device),
+                             min_split_keys) == splits
 
 
 def test_empty_batch():

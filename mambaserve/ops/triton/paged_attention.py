@@ -12,10 +12,22 @@ and including `positions[t]` (a device value: the loop bound is read in the kern
 read back on the host), with an online softmax in float32. QKᵀ and PV are tl.dots with float32
 accumulation (float32 inputs use IEEE dots; P is cast to the cache dtype for PV). head_dim is
 masked to the next power of two. Keys beyond positions[t] are masked at load, so stale or
-non-finite data in unused slots never reaches the output. `max_kv_len` is not needed.
+non-finite data in unused slots never reaches the output.
+
+Split-KV ("flash decoding") for small batches: when T * H_kv programs would leave the GPU idle,
+the launcher adds a third grid dimension of `num_splits` key partitions, chosen on the host from
+T, H_kv and `max_kv_len` (host ints; see `choose_num_splits`). Partition s of token t covers keys
+[s*S, min((s+1)*S, positions[t]+1)), where the split size S = max(round_up(cdiv(positions[t]+1,
+num_splits), BLOCK_N), min_split) is computed in the kernel from the token's own position: a loose
+`max_kv_len` (the CUDA-graph max_model_len) still spreads a short context over several
+partitions, and the partitions cover every key even if `max_kv_len` is too small. Each program
+writes its partial max, sum and unnormalized fp32 accumulator to scratch; a combine kernel, grid
+(T, H), merges the partitions with log-sum-exp rescaling (empty partitions: m = -inf, weight 0).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -65,8 +77,18 @@ def write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _paged_attention_kernel(
     q_ptr, kv_ptr, pt_ptr, row_ptr, pos_ptr, out_ptr, scale, page_size, Dh, REP,
     q_t, q_h, q_d, c_kv, c_p, c_s, c_h, c_d, pt_r, pt_p, o_t, o_h, o_d,
+    ml_ptr, acc_ptr, NS, min_split, ml_0, ml_t, ml_h, ml_s, a_t, a_h, a_s, a_d,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IP: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
+    """SPLIT=False: grid (T, H_kv), keys 0..pos, normalized output into out.
+
+    SPLIT=True: grid (T, H_kv, NS). With n = pos + 1 keys and the token's split size
+    S = max(round_up(cdiv(n, NS), BLOCK_N), min_split) (computed here from the device position,
+    so the NS partitions always cover all n keys whatever host bound chose NS), partition s
+    covers keys [s*S, min((s+1)*S, n)) and writes its max m (ml[0]), sum l (ml[1]) and
+    unnormalized acc in fp32 for `_paged_attention_combine_kernel`. An empty partition
+    (s*S >= n) writes m = -inf, l = 0, acc = 0."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     r = tl.load(row_ptr + t).to(tl.int64)
@@ -80,14 +102,24 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + t * q_t + heads[:, None] * q_h + offs_d[None, :] * q_d, mask=mq, other=0.0)
     q = q.to(kv_ptr.dtype.element_ty)
 
+    if SPLIT:
+        sp = tl.program_id(2).to(tl.int64)
+        n = pos + 1
+        S = tl.maximum((tl.cdiv(n, NS) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_split)
+        lo = sp * S
+        hi = tl.minimum(lo + S, n)
+    else:
+        lo = 0
+        hi = pos + 1
+
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     pt_row = pt_ptr + r * pt_r
     head_off = g * c_h
-    for start in range(0, pos + 1, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
-        mj = j <= pos
+        mj = j < hi
         page = tl.load(pt_row + (j // page_size) * pt_p, mask=mj, other=0).to(tl.int64)
         base = page * c_p + (j % page_size) * c_s + head_off
         mk = mj[:, None] & md[None, :]
@@ -95,16 +127,53 @@ def _paged_attention_kernel(
         k = tl.load(kp, mask=mk, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=IP) * scale  # [BLOCK_G, BLOCK_N] fp32
         s = tl.where(mj[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key `start` <= pos is visible
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key `start` < hi is visible
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kp + c_kv, mask=mk, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IP)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + t * o_t + heads[:, None] * o_h + offs_d[None, :] * o_d,
-             out.to(out_ptr.dtype.element_ty), mask=mq)
+    if SPLIT:
+        mg = offs_g < REP
+        ml = ml_ptr + t * ml_t + heads * ml_h + sp * ml_s
+        tl.store(ml, m_i, mask=mg)
+        tl.store(ml + ml_0, l_i, mask=mg)
+        tl.store(acc_ptr + t * a_t + heads[:, None] * a_h + sp * a_s + offs_d[None, :] * a_d,
+                 acc, mask=mq)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + t * o_t + heads[:, None] * o_h + offs_d[None, :] * o_d,
+                 out.to(out_ptr.dtype.element_ty), mask=mq)
+
+
+@triton.jit
+def _paged_attention_combine_kernel(
+    ml_ptr, acc_ptr, out_ptr, NS, Dh,
+    ml_0, ml_t, ml_h, ml_s, a_t, a_h, a_s, a_d, o_t, o_h, o_d,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid (T, H): merges the NS partitions of one token and query head,
+    out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s with M = max_s m_s. Empty partitions
+    (m = -inf) get weight 0; partition 0 always holds key 0, so M is finite."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    ms = offs_s < NS
+    md = offs_d < Dh
+    ml = ml_ptr + t * ml_t + h * ml_h + offs_s * ml_s
+    m = tl.load(ml, mask=ms, other=float("-inf"))
+    lsum = tl.load(ml + ml_0, mask=ms, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # only if pos < 0 (0/0 as unsplit)
+    w = tl.exp(m - m_max)
+    acc = tl.load(acc_ptr + t * a_t + h * a_h + offs_s[:, None] * a_s + offs_d[None, :] * a_d,
+                  mask=ms[:, None] & md[None, :], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(lsum * w, axis=0)
+    tl.store(out_ptr + t * o_t + h * o_h + offs_d * o_d, (num / den).to(out_ptr.dtype.element_ty),
+             mask=md)
 
 
 @triton.jit
@@ -165,11 +234,49 @@ def _paged_attention_tiled_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mq)
 
 
+_TARGET_PROGRAMS_CPU = 264  # 2 x the H200's 132 SMs; what the launcher assumes off CUDA
+MIN_SPLIT_KEYS = 256  # default `min_split_keys`: the heuristic's smallest partition
+
+
+@functools.cache
+def _cuda_target_programs(device_index: int) -> int:
+    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    """About two programs per SM (cached per device; a host query, no sync)."""
+    if device.type != "cuda":
+        return _TARGET_PROGRAMS_CPU
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_target_programs(idx)
+
+
+def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
+                      min_split_keys: int = MIN_SPLIT_KEYS) -> int:
+    """Key partitions per (token, KV head) for the per-token kernel, from host ints only: 1 when
+    T * H_kv programs already fill the GPU (>= target_programs), else enough partitions to reach
+    target_programs, but no more than max_kv_len / min_split_keys."""
+    progs = T * Hkv
+    if progs >= target_programs:
+        return 1
+    return max(1, min(triton.cdiv(target_programs, progs),
+                      triton.cdiv(max(1, max_kv_len), max(1, min_split_keys))))
+
+
 def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv_len, scale, *,
                            tiled: bool = False, block_m: int = 64, block_n: int | None = None,
-                           num_warps: int | None = None):
-    """Same contract as `mambaserve.ops.paged_attention.paged_attention` (`max_kv_len` unused:
-    each token's loop stops at its own position).
+                           num_warps: int | None = None, num_splits: int | None = None,
+                           min_split_keys: int = MIN_SPLIT_KEYS):
+    """Same contract as `mambaserve.ops.paged_attention.paged_attention`. Each token's keys stop
+    at its own position; `max_kv_len` only sizes the split-KV grid (a smaller value than the
+    real lengths costs speed, not correctness).
+
+    Per-token kernel (default): `num_splits` key partitions per (token, KV head); None = the
+    heuristic `choose_num_splits(T, H_kv, max_kv_len, ~2 x SMs, min_split_keys)`, 1 = the
+    single-pass kernel. With > 1, a token's partition size is computed on the device from its
+    position (at least `min_split_keys` rounded up to BLOCK_N under the heuristic, BLOCK_N when
+    `num_splits` is given), then a combine kernel merges the partitions. Host ints only: no
+    sync, CUDA-graph capturable.
 
     `tiled=True` selects the prefill-oriented kernel: one program per block of
     max(1, block_m // (H / H_kv)) consecutive tokens and one KV head, so a prefill row's K/V is
@@ -201,9 +308,35 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
         return out
     if num_warps is None:
         num_warps = 4 if BLOCK_D * BLOCK_N >= 4096 else 2
-    _paged_attention_kernel[(T, Hkv)](
+    if num_splits is None:
+        ns = choose_num_splits(T, Hkv, int(max_kv_len), _target_programs(q.device),
+                               min_split_keys)
+        min_split = triton.cdiv(max(1, min_split_keys), BLOCK_N) * BLOCK_N
+    else:
+        ns = int(num_splits)
+        assert ns >= 1, num_splits
+        min_split = BLOCK_N
+    if ns == 1:
+        _paged_attention_kernel[(T, Hkv)](
+            q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh, rep,
+            *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
+            out, out, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # scratch unused
+            BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=False,
+            num_warps=num_warps,
+        )
+        return out
+    ml = torch.empty((2, T, H, ns), dtype=torch.float32, device=q.device)  # partial m, l
+    acc = torch.empty((T, H, ns, Dh), dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(T, Hkv, ns)](
         q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh, rep,
         *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
-        BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, num_warps=num_warps,
+        ml, acc, ns, min_split, *ml.stride(), *acc.stride(),
+        BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=True,
+        num_warps=num_warps,
+    )
+    BLOCK_S = triton.next_power_of_2(ns)
+    _paged_attention_combine_kernel[(T, H)](
+        ml, acc, out, ns, Dh, *ml.stride(), *acc.stride(), *out.stride(),
+        BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, num_warps=max(1, min(4, BLOCK_S * BLOCK_D // 1024)),
     )
     return out
