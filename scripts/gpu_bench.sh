@@ -39,6 +39,10 @@ run() {  # run STAGE_NAME DEFAULT_TIMEOUT CMD...
     log "$name: exit ${PIPESTATUS[0]}"
 }
 
+stage_tests-attention() {  # the attention and graph GPU tests only (after attention changes)
+    run tests-attention 200 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_paged_attention.py \
+        tests/ops/test_triton_paged_attention.py tests/engine/test_cuda_graph.py -k "cuda or gpu"
+}
 stage_tests() {  # every CUDA-only test: compiled Triton kernels at real shapes, decode graphs
     run tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops tests/engine/test_cuda_graph.py \
         -k "cuda or gpu or triton"
@@ -118,9 +122,9 @@ stage_ncu() {  # hardware counters of the SSD scan's launches, ours and mamba_ss
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis $PY scripts/ssd_once.py 1x8192
 }
-stage_kernels() {
+stage_kernels() {  # every kernel against its reference and the peers (KERNELS_ARGS=--sweep)
     PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run kernels 300 $PY bench/kernels.py \
-        --out "$W/kernels.json"
+        ${KERNELS_ARGS:-} --out "$W/kernels.json"
 }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$LOG"

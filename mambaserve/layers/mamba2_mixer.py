@@ -48,7 +48,9 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self.in_proj(x)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = -torch.exp(self.A_log.float())
-        y = torch.empty(T, H, P, dtype=x.dtype, device=x.device)
+        # mixed batches assemble y from both paths; single-kind batches use that path's output
+        y = torch.empty(T, H, P, dtype=x.dtype, device=x.device) \
+            if meta.num_prefills and meta.num_decodes else None
 
         if meta.num_prefills:
             if meta.num_prefill_snapshots:  # before the conv overwrites the rows' windows
@@ -64,7 +66,10 @@ class Mamba2Mixer(nn.Module):
                 self.D, self.dt_bias, self.prefill_dt_limit, ssm_state, meta.prefill_state_slots,
                 meta.has_initial_state, meta.chunk_token_idx, meta.token_chunk_pos,
                 meta.row_chunks, meta.row_num_chunks)
-            y[:Tp] = y_p
+            if meta.num_decodes:
+                y[:Tp] = y_p
+            else:  # prefill-only batch: the scan's output is y (no copy)
+                y = y_p
             if meta.num_prefill_snapshots:
                 save_prefill_ssm_snapshots(ssm_state, chunk_end_states, meta.snap_chunk,
                                            meta.snap_dst)
@@ -73,14 +78,18 @@ class Mamba2Mixer(nn.Module):
             xBC_d = causal_conv1d_update(xBC[Tp:], self.conv_weight, self.conv_bias, conv_state,
                                          meta.decode_state_slots)
             xs, B, C = xBC_d.split([self.d_inner, G * N, G * N], dim=-1)
-            y[Tp:] = selective_state_update(
+            y_d = selective_state_update(
                 ssm_state, xs.reshape(Bd, H, P), dt[Tp:], A, B.reshape(Bd, G, N),
                 C.reshape(Bd, G, N), self.D, self.dt_bias, self.decode_dt_limit,
                 meta.decode_state_slots)
+            if meta.num_prefills:
+                y[Tp:] = y_d
+            else:  # decode-only batch: no copy
+                y = y_d
             if meta.num_decode_snapshots:
                 save_decode_snapshots(conv_state, ssm_state, meta.decode_state_slots,
                                       meta.decode_snap_dst)
 
-        y = gated_rmsnorm(y.view(T, self.d_inner), z, self.norm_weight,
+        y = gated_rmsnorm(y.reshape(T, self.d_inner), z, self.norm_weight,
                           self.d_inner // self.n_groups, self.norm_eps)
         return self.out_proj(y)

@@ -57,7 +57,7 @@ def paged_attention(
             return paged_attention_triton(q, kv_cache, page_table, token_row, positions,
                                           max_kv_len, scale)
         pre = paged_attention_triton(q[:Tp], kv_cache, page_table, token_row[:Tp],
-                                     positions[:Tp], max_kv_len, scale, tiled=True)
+                                     positions[:Tp], max_kv_len, scale, tiled=True, block_m=128)
         if Tp == q.shape[0]:
             return pre
         dec = paged_attention_triton(q[Tp:], kv_cache, page_table, token_row[Tp:],
