@@ -68,6 +68,27 @@ class LLMEngine:
         self._counter = itertools.count()
         self.stats = {"steps": 0, "prefill_rows": 0, "decode_rows": 0, "mixed_steps": 0,
                       "chunked_prefills": 0}
+        if self.device.type == "cuda":
+            self.warmup()
+
+    def warmup(self) -> None:
+        """A prefill-only, a mixed and a decode step on throwaway prompts, so the Triton kernels
+        of every forward kind are compiled before the first request: on the H200 a fresh
+        server's first requests otherwise waited ~10 s for JIT compiles (docs/benchmarks.md).
+        The prefix cache sees none of it (no policy during the warm-up); stats start at zero."""
+        policy, self.scheduler.policy = self.scheduler.policy, None
+        p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        n = min(self.model_config.chunk_size + 3, self.max_model_len - 4,
+                self.config.chunked_prefill_size)
+        try:
+            self.add_request("__warmup_prefill", {"prompt_token_ids": [0] * n}, p)
+            self.step()  # prefill only
+            self.add_request("__warmup_mixed", {"prompt_token_ids": [0] * max(1, n // 2)}, p)
+            while self.has_unfinished_requests():  # mixed, then decode-only steps
+                self.step()
+        finally:
+            self.scheduler.policy = policy
+        self.stats = dict.fromkeys(self.stats, 0)
 
     def _snapshot_interval(self) -> int:
         """Default: the smallest legal interval, lcm(chunk_size, page_size). The number of

@@ -188,3 +188,26 @@ def test_abort_keeps_the_cache_consistent(tiny_ckpt):
 def test_bad_snapshot_interval(tiny_ckpt, interval, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_ckpt, enable_prefix_caching=True, mamba_snapshot_interval=interval)
+
+
+def test_warmup_leaves_no_trace(tiny_ckpt):
+    """The engine's warm-up (run at start on CUDA) goes through prefill, mixed and decode steps
+    but leaves the pools idle, the prefix cache empty and the stats at zero; outputs after it
+    are the same as without it."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    prompts = [toks(40, 1), toks(19, 2)]
+    cold = LLM(tiny_ckpt, enable_prefix_caching=True)
+    warm = LLM(tiny_ckpt, enable_prefix_caching=True)
+    eng = warm.engine
+    free = (eng.state_pool.num_free, eng.kv_pool.num_free)
+    steps = []
+    step = eng.step
+    eng.step = lambda: (steps.append(1), step())[1]
+    eng.warmup()
+    eng.step = step
+    assert len(steps) >= 3 and eng.stats == dict.fromkeys(eng.stats, 0)
+    assert (eng.state_pool.num_free, eng.kv_pool.num_free) == free
+    assert eng.cache_stats()["queries"] == 0 and eng.cache_stats()["snapshots"] == 0
+    assert not eng.requests and not eng.has_unfinished_requests()
+    eng.check_integrity()
+    assert_same(run_checked(warm, prompts, [params] * 2), run_checked(cold, prompts, [params] * 2))

@@ -79,7 +79,7 @@ def _taps(bias, xt, p1, p2, p3, p4, w0, w1, w2, w3, w4, K1: tl.constexpr, SILU: 
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _conv_varlen_kernel(
     x_ptr, w_ptr, b_ptr, state_ptr, slot_ptr, init_ptr, win_ptr, out_ptr,
     T, Dm, RK1,
