@@ -79,7 +79,7 @@ def _taps(bias, xt, p1, p2, p3, p4, w0, w1, w2, w3, w4, K1: tl.constexpr, SILU: 
     return acc
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "RK1"])
 def _conv_varlen_kernel(
     x_ptr, w_ptr, b_ptr, state_ptr, slot_ptr, init_ptr, win_ptr, out_ptr,
     T, Dm, RK1,
@@ -195,7 +195,7 @@ def _conv_varlen_kernel(
             p1 = xt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["RK1"])
 def _conv_state_kernel(
     x_ptr, state_ptr, slot_ptr, init_ptr, sidx_ptr, Dm, RK1,
     x_t, x_d, s_slot, s_k, s_d, sidx_r,

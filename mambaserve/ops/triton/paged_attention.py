@@ -73,7 +73,9 @@ def write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     )
 
 
-@triton.jit(do_not_specialize=["NS", "min_split"])
+# sizes and strides that change with the batch are runtime ints: no recompile per batch shape
+@triton.jit(do_not_specialize=["NS", "min_split", "pt_r", "ml_0", "ml_t", "ml_h", "a_t",
+                               "a_h"])
 def _paged_attention_kernel(
     q_ptr, kv_ptr, pt_ptr, row_ptr, pos_ptr, out_ptr, scale, page_size, Dh, REP,
     q_t, q_h, q_d, c_kv, c_p, c_s, c_h, c_d, pt_r, pt_p, o_t, o_h, o_d,
@@ -147,7 +149,7 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=mq)
 
 
-@triton.jit(do_not_specialize=["NS"])
+@triton.jit(do_not_specialize=["NS", "ml_0", "ml_t", "ml_h", "a_t", "a_h"])
 def _paged_attention_combine_kernel(
     ml_ptr, acc_ptr, out_ptr, NS, Dh,
     ml_0, ml_t, ml_h, ml_s, a_t, a_h, a_s, a_d, o_t, o_h, o_d,
@@ -176,7 +178,7 @@ def _paged_attention_combine_kernel(
              mask=md)
 
 
-@triton.jit(do_not_specialize=["T", "TPB"])
+@triton.jit(do_not_specialize=["T", "TPB", "pt_r"])
 def _paged_attention_tiled_kernel(
     q_ptr, kv_ptr, pt_ptr, row_ptr, pos_ptr, out_ptr, scale, page_size, Dh, REP, T, TPB,
     q_t, q_h, q_d, c_kv, c_p, c_s, c_h, c_d, pt_r, pt_p, o_t, o_h, o_d,

@@ -123,7 +123,7 @@ def _chunk_state_kernel(
              mask=mp[:, None] & mn[None, :])
 
 
-@triton.jit(do_not_specialize=["num_chunks"])
+@triton.jit(do_not_specialize=["num_chunks", "rc_r"])
 def _state_passing_kernel(
     ssm_ptr, slot_ptr, init_ptr, row_chunks_ptr, nchunks_ptr, st_ptr, cum_ptr, src_ptr,
     num_chunks, H, P, N, s_slot, s_h, s_p, s_n, rc_r,
