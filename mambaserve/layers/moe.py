@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from mambaserve.config import ModelConfig
-from mambaserve.layers.mlp import MLP, relu2
+from mambaserve.layers.mlp import MLP
+from mambaserve.ops.activation import relu2
 
 
 class TopkRouter(nn.Module):
