@@ -444,25 +444,30 @@ def format_table(results: list[OneBatchResult]) -> str:
     return "\n".join(out)
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model | --preset, --device, --dtype, --engine, --seed: shared with `bench profile`."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", default=None, help="HF checkpoint folder")
     src.add_argument("--preset", default=None, help="nemotron-nano-9b-v2 | tiny (random weights)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--engine", default="", metavar="K=V,...",
+                   help="extra EngineConfig settings, e.g. enforce_eager=false")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
     p.add_argument("--batch-size", default="1", help="one or a comma-separated sweep: 1,8,32")
     p.add_argument("--input-len", default="128", help="one or a comma-separated sweep: 512,2048")
     p.add_argument("--output-len", type=int, default=16,
                    help="1 measures prefill only (no decode steps)")
     p.add_argument("--backend", default="mambaserve", choices=["mambaserve", "hf"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--save-reload", default=None, metavar="DIR",
                    help="write the preset as a full safetensors checkpoint into DIR and load it "
                         "back (the load path at scale); default: random weights drawn on the "
                         "device at load, no checkpoint on disk")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs on the same shapes")
-    p.add_argument("--engine", default="", metavar="K=V,...",
-                   help="extra EngineConfig settings, e.g. enforce_eager=false")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as a JSON list")
 
 

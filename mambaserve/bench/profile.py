@@ -35,6 +35,7 @@ from mambaserve.bench.one_batch import (
     _MambaserveBackend,
     _prompts,
     _sync,
+    add_model_args,
     copy_ceiling,
     matmul_ceiling,
     parse_settings,
@@ -224,19 +225,12 @@ def format_phase(p: PhaseProfile) -> str:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", default=None, help="HF checkpoint folder")
-    src.add_argument("--preset", default=None, help="nemotron-nano-9b-v2 | tiny (random weights)")
+    add_model_args(p)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled after the prefill")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--top", type=int, default=15, help="kernels listed per phase")
-    p.add_argument("--engine", default="", metavar="K=V,...",
-                   help="extra EngineConfig settings, e.g. enforce_eager=false")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write both phases as JSON")
 
 
