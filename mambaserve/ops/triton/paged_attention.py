@@ -282,9 +282,9 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
 
     `tiled=True` selects the prefill-oriented kernel: one program per block of
     max(1, block_m // (H / H_kv)) consecutive tokens and one KV head, so a prefill row's K/V is
-    read once per token block instead of once per token. Opt-in: the launcher has no host-side
-    count of prefill tokens, and for decode tokens (one per row) the per-token kernel has more
-    parallelism; untimed on a GPU so far."""
+    read once per token block instead of once per token. The public op sends prefill tokens here
+    (with block_m=128, the fastest in the H200 sweep of docs/kernels.md) and decode tokens, one
+    per row, to the per-token kernel, which has more parallelism for them."""
     T, H, Dh = q.shape
     _, _, page_size, Hkv, Dk = kv_cache.shape
     assert Dk == Dh and H % Hkv == 0, (q.shape, kv_cache.shape)
