@@ -75,11 +75,12 @@ class LLMEngine:
         """A prefill-only, a mixed and a decode step on throwaway prompts, so the Triton kernels
         of every forward kind are compiled before the first request: on the H200 a fresh
         server's first requests otherwise waited ~10 s for JIT compiles (docs/benchmarks.md).
-        The prefix cache sees none of it (no policy during the warm-up); stats start at zero."""
+        The prefix cache sees none of it (no policy during the warm-up); the stats, the seed
+        generator and the arrival counter start afresh, so later requests are unaffected."""
         policy, self.scheduler.policy = self.scheduler.policy, None
         p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        n = min(self.model_config.chunk_size + 3, self.max_model_len - 4,
-                self.config.chunked_prefill_size)
+        n = max(1, min(self.model_config.chunk_size + 3, self.max_model_len - 4,
+                       self.config.chunked_prefill_size))
         try:
             self.add_request("__warmup_prefill", {"prompt_token_ids": [0] * n}, p)
             self.step()  # prefill only
@@ -89,6 +90,8 @@ class LLMEngine:
         finally:
             self.scheduler.policy = policy
         self.stats = dict.fromkeys(self.stats, 0)
+        self._rng = random.Random(self.config.seed)
+        self._counter = itertools.count()
 
     def _snapshot_interval(self) -> int:
         """Default: the smallest legal interval, lcm(chunk_size, page_size). The number of
