@@ -134,6 +134,7 @@ class AsyncEngine:
     `QueueFullError`. None: no limit.
     `observer`: optional object with `on_first_token(ttft_s)`, `on_prompt(n_tokens)`,
     `on_tokens(n, gap_s)`, `on_finished(request_output, e2e_s)`, `on_aborted(n_seqs)`,
+    `on_step(kind, seconds)` (kind: "prefill", "mixed" or "decode"),
     `on_rejected()` and `on_error(n_requests)`, called from the engine thread (the server's
     metrics); an observer that raises is logged and ignored.
     """
@@ -153,6 +154,7 @@ class AsyncEngine:
         self._stop = False
         self._ids = itertools.count()
         self.step_errors = 0
+        self.slow_step_s = 2.0  # a step longer than this is logged with its composition
         self._last_publish = 0.0
         self._cache_time = 0.0
         self.snapshot = EngineSnapshot()
@@ -359,6 +361,7 @@ class AsyncEngine:
             _resolve(cmd.loop, cmd.future, err, result)
 
     def _step(self) -> None:
+        t0 = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -373,6 +376,14 @@ class AsyncEngine:
                 logger.exception("engine integrity check failed after the error")
             return
         now = time.monotonic()
+        if self.engine.last_step is not None:
+            kind, prefill_tokens, decode_rows = self.engine.last_step
+            self._observe("on_step", kind, now - t0)
+            if now - t0 > self.slow_step_s:
+                logger.warning(
+                    "slow engine step: %.2f s for a %s step (%d prefill tokens, %d decode rows); "
+                    "the first steps of new batch shapes may include Triton JIT compiles",
+                    now - t0, kind, prefill_tokens, decode_rows)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             s = self._streams.get(out.request_id)

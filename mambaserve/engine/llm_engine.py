@@ -68,6 +68,9 @@ class LLMEngine:
         self._counter = itertools.count()
         self.stats = {"steps": 0, "prefill_rows": 0, "decode_rows": 0, "mixed_steps": 0,
                       "chunked_prefills": 0}
+        # what the last step() ran: (kind "prefill" | "mixed" | "decode", prefill tokens,
+        # decode rows), None when it had nothing to run (the server's step-time metric)
+        self.last_step: tuple[str, int, int] | None = None
         if self.device.type == "cuda":
             self.warmup()
 
@@ -228,6 +231,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
+            self.last_step = None
             return []
         results = self.runner.execute(batch)
         self._record_stats(batch)
@@ -241,6 +245,9 @@ class LLMEngine:
         return [self.output_of(pid) for pid in touched]
 
     def _record_stats(self, batch: ScheduledBatch) -> None:
+        kind = "mixed" if batch.prefills and batch.decodes else \
+            "prefill" if batch.prefills else "decode"
+        self.last_step = (kind, sum(r.num_tokens for r in batch.prefills), len(batch.decodes))
         s = self.stats
         s["steps"] += 1
         s["prefill_rows"] += len(batch.prefills)

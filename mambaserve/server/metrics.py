@@ -16,6 +16,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0)
+STEP_KINDS = ("prefill", "mixed", "decode")
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
@@ -62,6 +65,7 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.step = {k: Histogram(STEP_BUCKETS) for k in STEP_KINDS}
         self.http: dict[tuple[str, int], int] = defaultdict(int)
 
     # ---- AsyncEngine observer hooks (engine thread) ---------------------------------------
@@ -84,6 +88,10 @@ class Metrics:
                 reason = c.finish_reason if c.finish_reason in self.finished else "stop"
                 self.finished[reason] += 1
                 self.generation_tokens += len(c.token_ids)
+
+    def on_step(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self.step[kind].observe(seconds)
 
     def on_aborted(self, n_seqs: int) -> None:
         with self._lock:
@@ -138,6 +146,13 @@ class Metrics:
                      "Time from arrival to the last token of a finished request.")):
                 lines = h.render(f"{p}_{name}", help_)
                 out += [_label(line, m) for line in lines]
+            for i, kind in enumerate(STEP_KINDS):  # one histogram family, labelled by kind
+                lines = self.step[kind].render(
+                    f"{p}_engine_step_seconds",
+                    "Duration of an engine step (one forward, sampling and bookkeeping) by "
+                    "kind: prefill-only, mixed, decode-only.")
+                out += [_label(line, f'{m},kind="{kind}"') for line in lines
+                        if i == 0 or not line.startswith("#")]
         used_slots = snap.state_slots_total - snap.state_slots_free
         used_pages = snap.kv_pages_total - snap.kv_pages_free
         metric("num_requests_running", "gauge", "Sequences running in the engine.",

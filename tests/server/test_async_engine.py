@@ -182,3 +182,37 @@ def test_shutdown_without_drain_aborts(tiny_ckpt):
         assert out.finished and out.outputs[0].finish_reason == "abort"
 
     asyncio.run(main())
+
+
+def test_step_observer_sees_each_kind_and_slow_steps_are_logged(tiny_ckpt, caplog):
+    """Every engine step reaches the observer as (kind, seconds); a step over `slow_step_s` is
+    logged with its composition (the evidence for JIT-compile or oversized-chunk stalls)."""
+
+    class Steps:
+        def __init__(self):
+            self.seen = []
+
+        def on_step(self, kind, seconds):
+            self.seen.append((kind, seconds))
+
+    obs = Steps()
+    eng = AsyncEngine(make_engine(tiny_ckpt, 4), max_waiting=None, observer=obs)
+    eng.slow_step_s = 0.0  # every step counts as slow
+    try:
+        async def main():
+            first = asyncio.ensure_future(final(eng, "To be, or not to be", GREEDY))
+            while not eng.call_sync(lambda e: e.stats["decode_rows"]):  # first one decoding
+                await asyncio.sleep(0.001)
+            second = await final(eng, "ROMEO:", GREEDY)
+            return await first, second
+
+        with caplog.at_level("WARNING", logger="mambaserve"):
+            asyncio.run(main())
+    finally:
+        eng.shutdown(drain=False)
+    kinds = {k for k, _ in obs.seen}
+    assert {"prefill", "decode"} <= kinds and all(s > 0 for _, s in obs.seen)
+    assert len(obs.seen) == eng.engine.stats["steps"]
+    assert "mixed" in kinds or eng.engine.stats["mixed_steps"] == 0
+    assert any("slow engine step" in r.getMessage() and "prefill tokens" in r.getMessage()
+               for r in caplog.records)

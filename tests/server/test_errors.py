@@ -190,12 +190,14 @@ def test_metrics_are_prometheus_text_and_idle(server):
                  "inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "state_slots_used", "state_slot_usage_ratio", "kv_pages_used",
                  "kv_page_usage_ratio", "prefix_cache_token_hit_rate",
-                 "prefix_cache_request_hit_rate", "http_requests_total"):
+                 "prefix_cache_request_hit_rate", "http_requests_total", "engine_step_seconds"):
         assert f"mambaserve_{want}" in names, want
     assert _metric(server, "mambaserve_num_requests_running") == 0
     assert _metric(server, "mambaserve_state_slots_used") == 0
     assert _metric(server, "mambaserve_kv_pages_used") == 0
     assert _metric(server, "mambaserve_time_to_first_token_seconds_count") >= 1
+    assert _metric(server, "mambaserve_engine_step_seconds_count", 'kind="prefill"') >= 1
+    assert _metric(server, "mambaserve_engine_step_seconds_count", 'kind="decode"') >= 1
     assert _metric(server, "mambaserve_generation_tokens_total") >= 3
     assert _metric(server, "mambaserve_requests_finished_total", 'finish_reason="length"') >= 1
     # no 500 was ever answered in this session
