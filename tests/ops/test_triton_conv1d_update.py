@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.conv1d import causal_conv1d_update_ref
 from mambaserve.ops.triton.conv1d_update import (
@@ -17,9 +12,7 @@ from mambaserve.ops.triton.conv1d_update import (
     causal_conv1d_update_triton,
 )
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(_conv_update_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+require_interpreter(_conv_update_kernel)
 
 
 def _check(Bt, Dm, K, dtype, bias=True, activation=True, skip_rows=(), strided=False, seed=0,

@@ -3,22 +3,15 @@ without CUDA; GPU with it)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
 from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
 from mambaserve.ops.triton.conv1d_varlen import _conv_varlen_kernel, causal_conv1d_varlen_triton
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(_conv_varlen_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+require_interpreter(_conv_varlen_kernel)
 
 
 def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0, tol=None,

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm_ref
 from mambaserve.ops.triton.gated_rmsnorm import (
@@ -17,9 +12,7 @@ from mambaserve.ops.triton.gated_rmsnorm import (
     gated_rmsnorm_triton,
 )
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(_gated_rmsnorm_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+require_interpreter(_gated_rmsnorm_kernel)
 
 
 def _check(T, Dm, group_size, dtype, w_dtype=None, strided_z=False, seed=0, tol=None):

@@ -9,14 +9,9 @@ GPU, plus a Nemotron-like shape in bf16 (40 query heads, 8 KV heads, head_dim 12
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import DEV, require_interpreter  # before anything imports triton
 
 import mambaserve.ops.triton.paged_attention as tpa
 from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
@@ -29,9 +24,7 @@ from mambaserve.ops.triton.paged_attention import (
     write_kv_triton,
 )
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(_paged_attention_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+require_interpreter(_paged_attention_kernel)
 
 
 def write_kv_ref(kv_cache, k, v, slot_mapping):

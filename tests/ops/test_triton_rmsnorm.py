@@ -10,18 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.ops.rmsnorm import rms_norm, rms_norm_ref
 from mambaserve.ops.triton.rmsnorm import _rms_norm_kernel, rms_norm_triton
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(_rms_norm_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+require_interpreter(_rms_norm_kernel)
 
 # the interpreter mishandles bf16, so bf16 runs only compiled
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])

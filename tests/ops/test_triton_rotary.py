@@ -7,22 +7,15 @@ same cases run on the GPU, plus a real shape in bf16.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
 from mambaserve.ops.rotary import apply_rotary_ref
 from mambaserve.ops.triton.rotary import _rotary_kernel, apply_rotary_triton
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(_rotary_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+require_interpreter(_rotary_kernel)
 
 
 def _positions(prefills, decodes):

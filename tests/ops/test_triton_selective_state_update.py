@@ -7,14 +7,9 @@ cases run compiled on the GPU, plus one case at the Nemotron-Nano-9B-v2 layer sh
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.selective_state_update import selective_state_update_ref
 from mambaserve.ops.triton.selective_state_update import (
@@ -22,9 +17,7 @@ from mambaserve.ops.triton.selective_state_update import (
     selective_state_update_triton,
 )
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(_ssu_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+require_interpreter(_ssu_kernel)
 
 
 def _inputs(Bt, H, P, N, G, num_slots, dtype, state_dtype, gen, skip_rows=(), strided=False):

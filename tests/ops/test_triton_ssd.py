@@ -10,22 +10,15 @@ per head, shuffled chunk ids, a token stream in shuffled order (gathering path) 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen_ref
 from mambaserve.ops.triton.ssd import _chunk_scan_kernel, ssd_chunk_scan_varlen_triton
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and type(_chunk_scan_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+require_interpreter(_chunk_scan_kernel)
 
 
 # float32: the interpreter's exp is numpy's; compiled kernels use the GPU's approximate exp, which
