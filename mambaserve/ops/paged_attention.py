@@ -46,7 +46,8 @@ def paged_attention(
 
     On CUDA the prefill tokens go to the tiled kernel (a block of consecutive tokens shares each
     K/V load: flash-attention style) and the decode tokens to the per-token kernel (one program
-    per token and KV head, split over the keys when that is too few programs)."""
+    per token and KV head, split over the keys when that is too few programs), each writing its
+    rows of one output."""
     from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
 
     if q.is_cuda and triton_available():
@@ -56,13 +57,13 @@ def paged_attention(
         if Tp == 0:
             return paged_attention_triton(q, kv_cache, page_table, token_row, positions,
                                           max_kv_len, scale)
-        pre = paged_attention_triton(q[:Tp], kv_cache, page_table, token_row[:Tp],
-                                     positions[:Tp], max_kv_len, scale, tiled=True, block_m=128)
-        if Tp == q.shape[0]:
-            return pre
-        dec = paged_attention_triton(q[Tp:], kv_cache, page_table, token_row[Tp:],
-                                     positions[Tp:], max_kv_len, scale)
-        return torch.cat([pre, dec])
+        out = torch.empty_like(q)  # each kernel writes its own rows: no concatenation
+        paged_attention_triton(q[:Tp], kv_cache, page_table, token_row[:Tp], positions[:Tp],
+                               max_kv_len, scale, tiled=True, block_m=128, out=out[:Tp])
+        if Tp < q.shape[0]:
+            paged_attention_triton(q[Tp:], kv_cache, page_table, token_row[Tp:], positions[Tp:],
+                                   max_kv_len, scale, out=out[Tp:])
+        return out
     return paged_attention_ref(q, kv_cache, page_table, token_row, positions, max_kv_len, scale)
 
 

@@ -47,10 +47,13 @@ def _row(n, ctx, slot, pages):
                    pages=pages)
 
 
-def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, max_kv_len=None, **kw):
+def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, max_kv_len=None,
+         split_at_prefill=False, **kw):
     """prefills / decodes: (context_len, new tokens). Writes every cached prefix with one
     forward, then runs the mixed batch; checks the pool and the attention output. `max_kv_len`
-    overrides the bound given to the kernel (the reference always gets the metadata's)."""
+    overrides the bound given to the kernel (the reference always gets the metadata's).
+    `split_at_prefill`: as the public op on CUDA, the tiled kernel writes the prefill rows and the
+    per-token kernel (with `kw`) the decode rows of one output tensor."""
     g = torch.Generator().manual_seed(seed)
     reqs = list(prefills) + list(decodes)
     lens = [c + n for c, n in reqs]
@@ -94,9 +97,19 @@ def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, max_kv_len=Non
     scale = Dh ** -0.5
     ref = paged_attention_ref(q, kv_ref, meta.page_table, meta.token_row, meta.positions,
                               meta.max_kv_len, scale)
-    out = paged_attention_triton(q, kv_tri, meta.page_table, meta.token_row, meta.positions,
-                                 meta.max_kv_len if max_kv_len is None else max_kv_len, scale,
-                                 **kw)
+    bound = meta.max_kv_len if max_kv_len is None else max_kv_len
+    if split_at_prefill:
+        Tp = meta.num_prefill_tokens
+        out = torch.full_like(q, float("nan"))  # every row must be written
+        got = paged_attention_triton(q[:Tp], kv_tri, meta.page_table, meta.token_row[:Tp],
+                                     meta.positions[:Tp], bound, scale, tiled=True, block_m=32,
+                                     out=out[:Tp])
+        assert got.data_ptr() == out.data_ptr()
+        paged_attention_triton(q[Tp:], kv_tri, meta.page_table, meta.token_row[Tp:],
+                               meta.positions[Tp:], bound, scale, out=out[Tp:], **kw)
+    else:
+        out = paged_attention_triton(q, kv_tri, meta.page_table, meta.token_row, meta.positions,
+                                     bound, scale, **kw)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()
     return out, ref
@@ -288,3 +301,12 @@ def test_paged_attention_nemotron_bf16_gpu(prefills, decodes):
     for tiled in (False, True):
         out, ref = _run(prefills, decodes, 16, 40, 8, 128, torch.bfloat16, seed=11, tiled=tiled)
         assert _rel(out, ref) < 1e-2, (tiled, _rel(out, ref))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_and_decode_rows_written_into_one_output(num_splits):
+    """The public op's CUDA layout: tiled kernel into out[:Tp], per-token kernel (unsplit and
+    split) into out[Tp:], no concatenation."""
+    out, ref = _run(PREFILLS, DECODES, 4, 10, 2, 16, torch.float32, split_at_prefill=True,
+                    num_splits=num_splits)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

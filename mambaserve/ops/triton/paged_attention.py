@@ -268,7 +268,7 @@ def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
 def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv_len, scale, *,
                            tiled: bool = False, block_m: int = 64, block_n: int | None = None,
                            num_warps: int | None = None, num_splits: int | None = None,
-                           min_split_keys: int = MIN_SPLIT_KEYS):
+                           min_split_keys: int = MIN_SPLIT_KEYS, out: torch.Tensor | None = None):
     """Same contract as `mambaserve.ops.paged_attention.paged_attention`. Each token's keys stop
     at its own position; `max_kv_len` only sizes the split-KV grid (a smaller value than the
     real lengths costs speed, not correctness).
@@ -280,6 +280,9 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
     `num_splits` is given), then a combine kernel merges the partitions. Host ints only: no
     sync, CUDA-graph capturable.
 
+    `out`: write into this [T, H, head_dim] tensor (any strides, e.g. a row slice of a mixed
+    batch's output) instead of a new one; it is returned.
+
     `tiled=True` selects the prefill-oriented kernel: one program per block of
     max(1, block_m // (H / H_kv)) consecutive tokens and one KV head, so a prefill row's K/V is
     read once per token block instead of once per token. The public op sends prefill tokens here
@@ -289,7 +292,9 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
     _, _, page_size, Hkv, Dk = kv_cache.shape
     assert Dk == Dh and H % Hkv == 0, (q.shape, kv_cache.shape)
     assert token_row.shape == (T,) and positions.shape == (T,), (token_row.shape, positions.shape)
-    out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
+    assert out.shape == (T, H, Dh) and out.dtype == q.dtype, (out.shape, out.dtype, q.shape)
     if T == 0:
         return out
     rep = H // Hkv
