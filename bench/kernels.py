@@ -307,16 +307,25 @@ def prefill(peer, shapes, sweep):
         yr, er = ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1, *args)
         variants = [("triton", {})]
         if sweep:
-            variants += [(f"triton scan m{bm} bp{bp} k{bk} w{nw}",
+            variants += [("previous (launches A + B, split scan loops)",
+                          {"fused_state": False, "split_scan": True}),
+                         ("fused state, split scan loops", {"split_scan": True})]
+            variants += [(f"state bp{bp} l{bl} w{nw} s{ns}",
+                          {"block_p_state": bp, "block_l_state": bl, "num_warps_state": nw,
+                           "num_stages_state": ns})
+                         for bp, bl, nw, ns in ((16, 128, 4, 2), (64, 128, 4, 2), (32, 128, 4, 1),
+                                                (32, 128, 4, 3), (32, 128, 8, 2), (32, 64, 4, 2),
+                                                (16, 128, 2, 3))]
+            variants += [(f"scan m{bm} bp{bp} k{bk} w{nw} s{ns}",
                           {"block_m_scan": bm, "block_p_scan": bp, "block_k_scan": bk,
-                           "num_warps_scan": nw})
-                         for bm, bp, bk, nw in ((64, 64, 64, 4), (64, 128, 64, 8),
-                                                (128, 32, 64, 8), (128, 64, 32, 8),
-                                                (128, 128, 32, 8), (32, 128, 32, 4),
-                                                (64, 64, 32, 4), (64, 32, 32, 2))]
-            variants += [(f"triton state bp{bp}", {"block_p_state": bp}) for bp in (32, 128)]
-            variants += [("A only (chunk state)", {"_stop_after": "state"}),
-                         ("A+B (+state passing)", {"_stop_after": "passing"})]
+                           "num_warps_scan": nw, "num_stages_scan": ns})
+                         for bm, bp, bk, nw, ns in ((128, 64, 32, 8, 2), (128, 64, 32, 8, 3),
+                                                    (128, 64, 32, 4, 3), (128, 64, 64, 8, 2),
+                                                    (128, 64, 32, 4, 4), (64, 64, 32, 4, 3),
+                                                    (128, 32, 32, 4, 4), (128, 128, 32, 8, 3),
+                                                    (64, 128, 32, 4, 3))]
+            variants += [("dt + fused state", {"_stop_after": "passing"}),
+                         ("dt + fused state + CB", {"_stop_after": "cb"})]
         for name, kw in variants:
             try:
                 s2 = ssm.clone()

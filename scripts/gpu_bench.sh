@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-attention check prefill decode decode-eager hf ab serve kernels attention profile ncu audit
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve kernels attention profile ncu audit
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -46,6 +46,9 @@ stage_tests-attention() {  # the attention and graph GPU tests only (after atten
 stage_tests-quick() {  # the newest kernels' GPU tests and the whole model through graphs vs eager
     run tests-quick 150 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_triton_activation.py \
         tests/ops/test_paged_attention.py tests/engine/test_cuda_graph.py -k "cuda or gpu or triton"
+}
+stage_tests-ssd() {  # the SSD scan's GPU tests (9B shapes, bf16, knobs)
+    run tests-ssd 150 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_triton_ssd.py
 }
 stage_tests() {  # every CUDA-only test: compiled Triton kernels at real shapes, decode graphs
     run tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops tests/engine/test_cuda_graph.py \

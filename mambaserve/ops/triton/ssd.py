@@ -164,6 +164,93 @@ def _state_passing_kernel(
     tl.store(s_ptrs, running.to(ssm_ptr.dtype.element_ty), mask=m & valid)
 
 
+@triton.jit(do_not_specialize=["num_chunks", "rc_r"])
+def _chunk_state_passing_kernel(
+    x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, st_ptr, src_ptr,
+    ssm_ptr, slot_ptr, init_ptr, row_chunks_ptr, nchunks_ptr,
+    num_chunks, H, P, N, heads_per_group,
+    x_t, x_h, x_p, B_t, B_g, B_n, cti_c, s_slot, s_h, s_p, s_n, rc_r,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    IP: tl.constexpr, CONTIG: tl.constexpr,
+):
+    """Launches A and B in one: walks one row's chunks in order for a [BLOCK_P, BLOCK_N] tile of
+    one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, keeping
+    S in registers; each chunk's true end state is stored once (no local-state round trip)."""
+    num_nb = tl.cdiv(N, BLOCK_N)
+    pb = tl.program_id(0) // num_nb
+    nb = tl.program_id(0) % num_nb
+    h = tl.program_id(1)
+    r = tl.program_id(2)
+    g = h // heads_per_group
+    cdt = x_ptr.dtype.element_ty
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    mp = offs_p < P
+    mn = offs_n < N
+    mpn = mp[:, None] & mn[None, :]
+    PN = P * N
+    st_off = offs_p[:, None] * N + offs_n[None, :]
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    valid = slot >= 0
+    use_init = valid & (tl.load(init_ptr + r) != 0)
+    slot = tl.maximum(slot, 0)
+    s_ptrs = (ssm_ptr + slot * s_slot + h * s_h + offs_p[:, None] * s_p
+              + offs_n[None, :] * s_n)
+    running = tl.load(s_ptrs, mask=mpn & use_init, other=0.0).to(tl.float32)
+    # keep the initial state for the output launch: the slot is overwritten below
+    init_id = num_chunks + r.to(tl.int64)
+    tl.store(st_ptr + (init_id * H + h) * PN + st_off, running, mask=mpn & use_init)
+    writer = (h == 0) & (tl.program_id(0) == 0)  # one program per row records the sources
+    prev = tl.where(use_init, init_id, -1)
+    nck = tl.load(nchunks_ptr + r)
+    # the next chunk's id, first token and length are loaded one iteration ahead
+    cid = tl.load(row_chunks_ptr + r * rc_r).to(tl.int64)
+    t0 = tl.load(cti_ptr + cid * cti_c)
+    clen = tl.load(clen_ptr + cid)
+    for i in range(nck):
+        tl.store(src_ptr + cid, prev, mask=writer)
+        ch = (cid * H + h) * L
+        cum_last = tl.load(cum_ptr + ch + L - 1)
+        xb = x_ptr + t0 * x_t + h * x_h
+        Bb = B_ptr + t0 * B_t + g * B_g
+        if BLOCK_L == L:  # the whole chunk in one dot
+            offs_l = tl.arange(0, L)
+            ml = offs_l < clen
+            rows = _chunk_rows(cti_ptr, cid, cti_c, offs_l, t0, CONTIG)
+            w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
+            x = tl.load(xb + rows[None, :] * x_t + offs_p[:, None] * x_p,
+                        mask=mp[:, None] & ml[None, :], other=0.0)  # [BLOCK_P, L]
+            Bm = tl.load(Bb + rows[:, None] * B_t + offs_n[None, :] * B_n,
+                         mask=ml[:, None] & mn[None, :], other=0.0)  # [L, BLOCK_N]
+            xw = (x.to(tl.float32) * w[None, :]).to(cdt)
+            loc = tl.dot(xw, Bm.to(cdt), input_precision=IP)
+        else:
+            loc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+            for l0 in range(0, clen, BLOCK_L):
+                offs_l = l0 + tl.arange(0, BLOCK_L)
+                ml = offs_l < clen
+                rows = _chunk_rows(cti_ptr, cid, cti_c, offs_l, t0, CONTIG)
+                w = (tl.load(dtc_ptr + ch + offs_l)
+                     * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l)))
+                x = tl.load(xb + rows[None, :] * x_t + offs_p[:, None] * x_p,
+                            mask=mp[:, None] & ml[None, :], other=0.0)
+                Bm = tl.load(Bb + rows[:, None] * B_t + offs_n[None, :] * B_n,
+                             mask=ml[:, None] & mn[None, :], other=0.0)
+                xw = (x.to(tl.float32) * w[None, :]).to(cdt)
+                loc = tl.dot(xw, Bm.to(cdt), acc=loc, input_precision=IP)
+        more = i + 1 < nck
+        nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
+        t0_n = tl.load(cti_ptr + nxt * cti_c, mask=more, other=0)
+        clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)
+        running = running * tl.exp(cum_last) + loc
+        tl.store(st_ptr + (cid * H + h) * PN + st_off, running, mask=mpn)
+        prev = cid
+        cid = nxt
+        t0 = t0_n
+        clen = clen_n
+    tl.store(s_ptrs, running.to(ssm_ptr.dtype.element_ty), mask=mpn & valid)
+
+
 @triton.jit
 def _chunk_cb_kernel(
     B_ptr, C_ptr, cti_ptr, clen_ptr, cb_ptr,
@@ -207,7 +294,7 @@ def _chunk_scan_kernel(
     H, P, N, G, heads_per_group,
     x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
     L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr,
+    BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr,
 ):
     num_pb = tl.cdiv(P, BLOCK_P)
     mb = tl.program_id(0) // num_pb  # the P blocks of one row tile run next to each other
@@ -251,32 +338,50 @@ def _chunk_scan_kernel(
         # sources are real tokens (s < m0 < clen), and rows past clen (CB tiles the CB launch may
         # have skipped) only reach output rows that are not stored.
         cb_base = cb_ptr + (c * G + g) * L * L
-        full = (m0 // BLOCK_K) * BLOCK_K
-        for s0 in range(0, full, BLOCK_K):
-            offs_s = s0 + tl.arange(0, BLOCK_K)
-            cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :])
-            cum_s = tl.load(cum_ptr + ch + offs_s)
-            dt_s = tl.load(dtc_ptr + ch + offs_s)
-            scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
-            rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
-            xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
-                         mask=mp[None, :], other=0.0)
-            acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
-        # blocks that overlap the tile's rows: causal and chunk-length masks
         hi = tl.minimum(m0 + BLOCK_M, clen)
-        for s0 in range(full, hi, BLOCK_K):
-            offs_s = s0 + tl.arange(0, BLOCK_K)
-            ms = offs_s < clen
-            keep = (offs_s[None, :] <= offs_m[:, None]) & ms[None, :] & mm[:, None]
-            cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :], mask=keep, other=0.0)
-            cum_s = tl.load(cum_ptr + ch + offs_s)
-            dt_s = tl.load(dtc_ptr + ch + offs_s)
-            decay = tl.exp(tl.where(keep, cum_m[:, None] - cum_s[None, :], float("-inf")))
-            scores = cb * decay * dt_s[None, :]
-            rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
-            xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
-                         mask=ms[:, None] & mp[None, :], other=0.0)
-            acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
+        if SPLIT:
+            full = (m0 // BLOCK_K) * BLOCK_K
+            for s0 in range(0, full, BLOCK_K):
+                offs_s = s0 + tl.arange(0, BLOCK_K)
+                cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :])
+                cum_s = tl.load(cum_ptr + ch + offs_s)
+                dt_s = tl.load(dtc_ptr + ch + offs_s)
+                scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
+                rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
+                xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
+                             mask=mp[None, :], other=0.0)
+                acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
+            # blocks that overlap the tile's rows: causal and chunk-length masks
+            for s0 in range(full, hi, BLOCK_K):
+                offs_s = s0 + tl.arange(0, BLOCK_K)
+                ms = offs_s < clen
+                keep = (offs_s[None, :] <= offs_m[:, None]) & ms[None, :] & mm[:, None]
+                cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :], mask=keep,
+                             other=0.0)
+                cum_s = tl.load(cum_ptr + ch + offs_s)
+                dt_s = tl.load(dtc_ptr + ch + offs_s)
+                decay = tl.exp(tl.where(keep, cum_m[:, None] - cum_s[None, :], float("-inf")))
+                scores = cb * decay * dt_s[None, :]
+                rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
+                xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
+                             mask=ms[:, None] & mp[None, :], other=0.0)
+                acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
+        else:
+            # one loop, unmasked CB loads: CB entries the CB launch never wrote (above the
+            # diagonal tiles, rows of padding) are uninitialized, and the select after the
+            # product drops them (and any inf of exp above the diagonal) for s > l; padding rows
+            # are never stored, and sources past the chunk's length have dt = 0 and masked x
+            for s0 in range(0, hi, BLOCK_K):
+                offs_s = s0 + tl.arange(0, BLOCK_K)
+                cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :])
+                cum_s = tl.load(cum_ptr + ch + offs_s)
+                dt_s = tl.load(dtc_ptr + ch + offs_s)
+                scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
+                scores = tl.where(offs_s[None, :] <= offs_m[:, None], scores, 0.0)
+                rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
+                xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
+                             mask=(offs_s < clen)[:, None] & mp[None, :], other=0.0)
+                acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
 
         mo = mm[:, None] & mp[None, :]
         xm = tl.load(xb + rows_m[:, None] * x_t + offs_p[None, :] * x_p, mask=mo, other=0.0)
@@ -311,6 +416,7 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
                                  block_n_scan: int | None = None,
                                  num_warps_scan: int = 8, num_stages_scan: int = 1,
                                  contiguous_chunks: bool = True,
+                                 fused_state: bool = True, split_scan: bool = False,
                                  _stop_after: str | None = None):
     """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`.
 
@@ -352,9 +458,9 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
     if num_chunks == 0 or T == 0:
         return y, end_states
 
-    bps = block_p_state or 64
+    bps = block_p_state or (32 if fused_state else 64)
     bns = block_n_state or _pow2_at_most(N, 128)
-    bls = block_l_state or min(L, 64)
+    bls = block_l_state or (L if fused_state else min(L, 64))
     bcb = block_cb or min(L, 64)
     bkcb = block_k_cb or _pow2_at_most(N, 128)
     bm = block_m_scan or min(L, 128)  # H200 sweep (docs/kernels.md): 128 x 64 tiles, 32-token
@@ -382,22 +488,33 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
     )
     if _stop_after == "dt":
         return y, end_states
-    _chunk_state_kernel[(triton.cdiv(P, bps) * triton.cdiv(N, bns), H, num_chunks)](
-        x, B, chunk_token_idx, dt_c, cum, clen, states,
-        T, H, P, N, H // G,
-        *x.stride(), *B.stride(), chunk_token_idx.stride(0),
-        L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
-        num_warps=num_warps_state,
-        num_stages=num_stages_state,
-    )
-    if _stop_after == "state":
-        return y, end_states
     chunk_src = torch.empty((num_chunks,), dtype=torch.int64, device=dev)
-    _state_passing_kernel[(R, H, triton.cdiv(P * N, block_s))](
-        ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks, states, cum,
-        chunk_src, num_chunks, H, P, N, *ssm_state.stride(), row_chunks.stride(0),
-        L=L, BLOCK_S=block_s, num_warps=num_warps_passing,
-    )
+    if fused_state:
+        _chunk_state_passing_kernel[(triton.cdiv(P, bps) * triton.cdiv(N, bns), H, R)](
+            x, B, chunk_token_idx, dt_c, cum, clen, states, chunk_src,
+            ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks,
+            num_chunks, H, P, N, H // G,
+            *x.stride(), *B.stride(), chunk_token_idx.stride(0), *ssm_state.stride(),
+            row_chunks.stride(0),
+            L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
+            num_warps=num_warps_state, num_stages=num_stages_state,
+        )
+    else:
+        _chunk_state_kernel[(triton.cdiv(P, bps) * triton.cdiv(N, bns), H, num_chunks)](
+            x, B, chunk_token_idx, dt_c, cum, clen, states,
+            T, H, P, N, H // G,
+            *x.stride(), *B.stride(), chunk_token_idx.stride(0),
+            L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
+            num_warps=num_warps_state,
+            num_stages=num_stages_state,
+        )
+        if _stop_after == "state":
+            return y, end_states
+        _state_passing_kernel[(R, H, triton.cdiv(P * N, block_s))](
+            ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks, states, cum,
+            chunk_src, num_chunks, H, P, N, *ssm_state.stride(), row_chunks.stride(0),
+            L=L, BLOCK_S=block_s, num_warps=num_warps_passing,
+        )
     if _stop_after == "passing":
         return y, end_states
     cb = torch.empty((num_chunks, G, L, L), **f32)
@@ -417,6 +534,6 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
         H, P, N, G, H // G,
         *x.stride(), *C.stride(), *y.stride(), chunk_token_idx.stride(0),
         L=L, BLOCK_M=bm, BLOCK_P=bpc, BLOCK_K=bk, BLOCK_N=bnc, IP=IP, CONTIG=contiguous_chunks,
-        num_warps=num_warps_scan, num_stages=num_stages_scan,
+        SPLIT=split_scan, num_warps=num_warps_scan, num_stages=num_stages_scan,
     )
     return y, end_states
