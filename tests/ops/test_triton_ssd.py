@@ -151,6 +151,7 @@ KNOBS = {
                        "block_n_scan": 16, "block_k_cb": 16, "block_p_state": 16, "block_s": 128},
     "wide_p": {"block_p_scan": 64, "block_p_state": 32, "block_l_state": 32, "num_warps_scan": 2,
                "num_stages_scan": 2},
+    "prefetch_nsplit": {"prefetch_state": True, "block_p_state": 16, "block_n_state": 16},
     "unfused_split": {"fused_state": False, "split_scan": True, "block_m_scan": 16,
                       "block_k_scan": 16},
 }

@@ -164,6 +164,21 @@ def _state_passing_kernel(
     tl.store(s_ptrs, running.to(ssm_ptr.dtype.element_ty), mask=m & valid)
 
 
+@triton.jit
+def _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, c, t0, clen, h, g, offs_p, offs_n, mp, mn,
+                    x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L: tl.constexpr, CONTIG: tl.constexpr):
+    """One head's x tile [BLOCK_P, L] and its group's B tile [L, BLOCK_N] of a whole chunk
+    (positions past the chunk's length read as 0)."""
+    offs_l = tl.arange(0, L)
+    ml = offs_l < clen
+    rows = _chunk_rows(cti_ptr, c, cti_c, offs_l, t0, CONTIG)
+    x = tl.load(x_ptr + t0 * x_t + h * x_h + rows[None, :] * x_t + offs_p[:, None] * x_p,
+                mask=mp[:, None] & ml[None, :], other=0.0)
+    Bm = tl.load(B_ptr + t0 * B_t + g * B_g + rows[:, None] * B_t + offs_n[None, :] * B_n,
+                 mask=ml[:, None] & mn[None, :], other=0.0)
+    return x, Bm
+
+
 @triton.jit(do_not_specialize=["num_chunks", "rc_r"])
 def _chunk_state_passing_kernel(
     x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, st_ptr, src_ptr,
@@ -171,7 +186,7 @@ def _chunk_state_passing_kernel(
     num_chunks, H, P, N, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n, cti_c, s_slot, s_h, s_p, s_n, rc_r,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    IP: tl.constexpr, CONTIG: tl.constexpr,
+    IP: tl.constexpr, CONTIG: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Launches A and B in one: walks one row's chunks in order for a [BLOCK_P, BLOCK_N] tile of
     one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, keeping
@@ -207,24 +222,28 @@ def _chunk_state_passing_kernel(
     cid = tl.load(row_chunks_ptr + r * rc_r).to(tl.int64)
     t0 = tl.load(cti_ptr + cid * cti_c)
     clen = tl.load(clen_ptr + cid)
+    if PREFETCH:  # the first chunk's tiles; later ones are loaded an iteration ahead
+        x_nx, B_nx = _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, cid, t0, clen, h, g, offs_p, offs_n,
+                                     mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L, CONTIG)
     for i in range(nck):
         tl.store(src_ptr + cid, prev, mask=writer)
         ch = (cid * H + h) * L
         cum_last = tl.load(cum_ptr + ch + L - 1)
-        xb = x_ptr + t0 * x_t + h * x_h
-        Bb = B_ptr + t0 * B_t + g * B_g
         if BLOCK_L == L:  # the whole chunk in one dot
             offs_l = tl.arange(0, L)
-            ml = offs_l < clen
-            rows = _chunk_rows(cti_ptr, cid, cti_c, offs_l, t0, CONTIG)
             w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
-            x = tl.load(xb + rows[None, :] * x_t + offs_p[:, None] * x_p,
-                        mask=mp[:, None] & ml[None, :], other=0.0)  # [BLOCK_P, L]
-            Bm = tl.load(Bb + rows[:, None] * B_t + offs_n[None, :] * B_n,
-                         mask=ml[:, None] & mn[None, :], other=0.0)  # [L, BLOCK_N]
+            if PREFETCH:
+                x = x_nx
+                Bm = B_nx
+            else:
+                x, Bm = _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, cid, t0, clen, h, g, offs_p,
+                                        offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L,
+                                        CONTIG)
             xw = (x.to(tl.float32) * w[None, :]).to(cdt)
             loc = tl.dot(xw, Bm.to(cdt), input_precision=IP)
         else:
+            xb = x_ptr + t0 * x_t + h * x_h
+            Bb = B_ptr + t0 * B_t + g * B_g
             loc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
             for l0 in range(0, clen, BLOCK_L):
                 offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -241,7 +260,11 @@ def _chunk_state_passing_kernel(
         more = i + 1 < nck
         nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
         t0_n = tl.load(cti_ptr + nxt * cti_c, mask=more, other=0)
-        clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)
+        clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)  # 0 past the row: masked tiles
+        if PREFETCH:
+            x_nx, B_nx = _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, nxt, t0_n, clen_n, h, g, offs_p,
+                                         offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L,
+                                         CONTIG)
         running = running * tl.exp(cum_last) + loc
         tl.store(st_ptr + (cid * H + h) * PN + st_off, running, mask=mpn)
         prev = cid
@@ -323,14 +346,23 @@ def _chunk_scan_kernel(
         if src >= 0:
             s_base = st_ptr + (src * H + h) * P * N
             Cb = C_ptr + t0 * C_t + g * C_g
-            for k0 in range(0, N, BLOCK_N):
-                offs_k = k0 + tl.arange(0, BLOCK_N)
+            if BLOCK_N >= N:  # one dot, no loop: a loop here is software-pipelined with the
+                offs_k = tl.arange(0, BLOCK_N)  # source loop's stages for nothing
                 mk = offs_k < N
                 Cm = tl.load(Cb + rows_m[:, None] * C_t + offs_k[None, :] * C_n,
                              mask=mm[:, None] & mk[None, :], other=0.0)
                 S = tl.load(s_base + offs_p[None, :] * N + offs_k[:, None],
                             mask=mk[:, None] & mp[None, :], other=0.0)  # [BLOCK_N, BLOCK_P]
                 acc = tl.dot(Cm.to(cdt), S.to(cdt), acc=acc, input_precision=IP)
+            else:
+                for k0 in range(0, N, BLOCK_N):
+                    offs_k = k0 + tl.arange(0, BLOCK_N)
+                    mk = offs_k < N
+                    Cm = tl.load(Cb + rows_m[:, None] * C_t + offs_k[None, :] * C_n,
+                                 mask=mm[:, None] & mk[None, :], other=0.0)
+                    S = tl.load(s_base + offs_p[None, :] * N + offs_k[:, None],
+                                mask=mk[:, None] & mp[None, :], other=0.0)
+                    acc = tl.dot(Cm.to(cdt), S.to(cdt), acc=acc, input_precision=IP)
             acc = acc * tl.exp(cum_m)[:, None]
 
         # intra-chunk: (CB ∘ exp(cum[l] - cum[s]) [s <= l] ∘ dt[s]) . x over source blocks up to
@@ -416,7 +448,8 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
                                  block_n_scan: int | None = None,
                                  num_warps_scan: int = 8, num_stages_scan: int = 1,
                                  contiguous_chunks: bool = True,
-                                 fused_state: bool = True, split_scan: bool = False,
+                                 fused_state: bool = True, prefetch_state: bool = False,
+                                 split_scan: bool = False,
                                  _stop_after: str | None = None):
     """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`.
 
@@ -458,7 +491,7 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
     if num_chunks == 0 or T == 0:
         return y, end_states
 
-    bps = block_p_state or (32 if fused_state else 64)
+    bps = block_p_state or 64
     bns = block_n_state or _pow2_at_most(N, 128)
     bls = block_l_state or (L if fused_state else min(L, 64))
     bcb = block_cb or min(L, 64)
@@ -497,6 +530,7 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
             *x.stride(), *B.stride(), chunk_token_idx.stride(0), *ssm_state.stride(),
             row_chunks.stride(0),
             L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
+            PREFETCH=prefetch_state and bls == L,
             num_warps=num_warps_state, num_stages=num_stages_state,
         )
     else:
