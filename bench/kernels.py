@@ -313,18 +313,18 @@ def prefill(peer, shapes, sweep):
             variants += [(f"state bp{bp} bn{bn} w{nw}{' prefetch' if pf else ''}",
                           {"block_p_state": bp, "block_n_state": bn, "num_warps_state": nw,
                            "prefetch_state": pf})
-                         for bp, bn, nw, pf in ((64, 64, 4, False), (32, 64, 4, False),
-                                                (128, 64, 8, False), (64, 128, 8, True),
-                                                (64, 64, 4, True), (32, 128, 4, True),
-                                                (32, 64, 4, True), (16, 128, 4, True))]
+                         for bp, bn, nw, pf in ((64, 64, 4, False), (64, 64, 4, True),
+                                                (64, 128, 8, True), (128, 64, 8, False),
+                                                (32, 128, 4, False))]
             variants += [(f"scan m{bm} bp{bp} k{bk} w{nw} s{ns}",
                           {"block_m_scan": bm, "block_p_scan": bp, "block_k_scan": bk,
                            "num_warps_scan": nw, "num_stages_scan": ns})
                          for bm, bp, bk, nw, ns in ((128, 64, 32, 8, 2), (128, 64, 32, 8, 3),
                                                     (128, 64, 32, 4, 3), (128, 64, 32, 4, 4),
-                                                    (128, 64, 64, 4, 3), (64, 64, 32, 4, 3),
-                                                    (128, 128, 32, 8, 2), (64, 128, 32, 4, 3),
-                                                    (128, 64, 64, 8, 1), (64, 64, 64, 4, 1))]
+                                                    (128, 64, 64, 4, 3), (128, 64, 64, 8, 2),
+                                                    (64, 64, 32, 4, 3), (128, 128, 32, 8, 2),
+                                                    (64, 128, 32, 4, 2), (128, 64, 64, 8, 1),
+                                                    (64, 64, 64, 4, 2))]
             variants += [("dt + fused state", {"_stop_after": "passing"}),
                          ("dt + fused state + CB", {"_stop_after": "cb"})]
         for name, kw in variants:

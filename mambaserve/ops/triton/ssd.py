@@ -171,7 +171,10 @@ def _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, c, t0, clen, h, g, offs_p, offs_n, mp
     (positions past the chunk's length read as 0)."""
     offs_l = tl.arange(0, L)
     ml = offs_l < clen
-    rows = _chunk_rows(cti_ptr, c, cti_c, offs_l, t0, CONTIG)
+    if CONTIG:  # clamped to the chunk: the offset tiles depend on the chunk, so they are not
+        rows = tl.minimum(offs_l, clen - 1)  # hoisted out of the chunk loop and kept live
+    else:
+        rows = _chunk_rows(cti_ptr, c, cti_c, offs_l, t0, CONTIG)
     x = tl.load(x_ptr + t0 * x_t + h * x_h + rows[None, :] * x_t + offs_p[:, None] * x_p,
                 mask=mp[:, None] & ml[None, :], other=0.0)
     Bm = tl.load(B_ptr + t0 * B_t + g * B_g + rows[:, None] * B_t + offs_n[None, :] * B_n,
@@ -186,7 +189,7 @@ def _chunk_state_passing_kernel(
     num_chunks, H, P, N, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n, cti_c, s_slot, s_h, s_p, s_n, rc_r,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    IP: tl.constexpr, CONTIG: tl.constexpr, PREFETCH: tl.constexpr,
+    IP: tl.constexpr, CONTIG: tl.constexpr, PREFETCH: tl.constexpr, SLOT_LIKE_BUF: tl.constexpr,
 ):
     """Launches A and B in one: walks one row's chunks in order for a [BLOCK_P, BLOCK_N] tile of
     one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, keeping
@@ -209,9 +212,12 @@ def _chunk_state_passing_kernel(
     valid = slot >= 0
     use_init = valid & (tl.load(init_ptr + r) != 0)
     slot = tl.maximum(slot, 0)
-    s_ptrs = (ssm_ptr + slot * s_slot + h * s_h + offs_p[:, None] * s_p
-              + offs_n[None, :] * s_n)
-    running = tl.load(s_ptrs, mask=mpn & use_init, other=0.0).to(tl.float32)
+    s_base = ssm_ptr + slot * s_slot + h * s_h
+    if SLOT_LIKE_BUF:  # the slot's [P, N] is laid out like the buffer's: no second offset tile
+        s_off = st_off  # live through the loop
+    else:
+        s_off = offs_p[:, None] * s_p + offs_n[None, :] * s_n
+    running = tl.load(s_base + s_off, mask=mpn & use_init, other=0.0).to(tl.float32)
     # keep the initial state for the output launch: the slot is overwritten below
     init_id = num_chunks + r.to(tl.int64)
     tl.store(st_ptr + (init_id * H + h) * PN + st_off, running, mask=mpn & use_init)
@@ -271,7 +277,7 @@ def _chunk_state_passing_kernel(
         cid = nxt
         t0 = t0_n
         clen = clen_n
-    tl.store(s_ptrs, running.to(ssm_ptr.dtype.element_ty), mask=mpn & valid)
+    tl.store(s_base + s_off, running.to(ssm_ptr.dtype.element_ty), mask=mpn & valid)
 
 
 @triton.jit
@@ -318,6 +324,7 @@ def _chunk_scan_kernel(
     x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
     L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr,
+    ONE_N_BLOCK: tl.constexpr,
 ):
     num_pb = tl.cdiv(P, BLOCK_P)
     mb = tl.program_id(0) // num_pb  # the P blocks of one row tile run next to each other
@@ -346,8 +353,8 @@ def _chunk_scan_kernel(
         if src >= 0:
             s_base = st_ptr + (src * H + h) * P * N
             Cb = C_ptr + t0 * C_t + g * C_g
-            if BLOCK_N >= N:  # one dot, no loop: a loop here is software-pipelined with the
-                offs_k = tl.arange(0, BLOCK_N)  # source loop's stages for nothing
+            if ONE_N_BLOCK:  # one dot, no loop (a constexpr: a loop in a branch the launch
+                offs_k = tl.arange(0, BLOCK_N)  # never takes still gets pipelined buffers)
                 mk = offs_k < N
                 Cm = tl.load(Cb + rows_m[:, None] * C_t + offs_k[None, :] * C_n,
                              mask=mm[:, None] & mk[None, :], other=0.0)
@@ -531,6 +538,7 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
             row_chunks.stride(0),
             L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
             PREFETCH=prefetch_state and bls == L,
+            SLOT_LIKE_BUF=ssm_state.stride(2) == N and ssm_state.stride(3) == 1,
             num_warps=num_warps_state, num_stages=num_stages_state,
         )
     else:
@@ -568,6 +576,6 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
         H, P, N, G, H // G,
         *x.stride(), *C.stride(), *y.stride(), chunk_token_idx.stride(0),
         L=L, BLOCK_M=bm, BLOCK_P=bpc, BLOCK_K=bk, BLOCK_N=bnc, IP=IP, CONTIG=contiguous_chunks,
-        SPLIT=split_scan, num_warps=num_warps_scan, num_stages=num_stages_scan,
+        SPLIT=split_scan, ONE_N_BLOCK=bnc >= N, num_warps=num_warps_scan, num_stages=num_stages_scan,
     )
     return y, end_states
