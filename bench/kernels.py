@@ -307,26 +307,19 @@ def prefill(peer, shapes, sweep):
         yr, er = ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1, *args)
         variants = [("triton", {})]
         if sweep:
-            variants += [("previous (launches A + B, split scan loops)",
-                          {"fused_state": False, "split_scan": True}),
-                         ("fused state, split scan loops", {"split_scan": True})]
-            variants += [(f"state bp{bp} bn{bn} w{nw}{' prefetch' if pf else ''}",
-                          {"block_p_state": bp, "block_n_state": bn, "num_warps_state": nw,
-                           "prefetch_state": pf})
-                         for bp, bn, nw, pf in ((64, 64, 4, False), (64, 64, 4, True),
-                                                (64, 128, 8, True), (128, 64, 8, False),
-                                                (32, 128, 4, False))]
+            variants += [("split scan loops", {"split_scan": True})]
+            variants += [(f"state bp{bp} bn{bn} w{nw}",
+                          {"block_p_state": bp, "block_n_state": bn, "num_warps_state": nw})
+                         for bp, bn, nw in ((64, 128, 8), (128, 128, 8), (128, 64, 4))]
             variants += [(f"scan m{bm} bp{bp} k{bk} w{nw} s{ns}",
                           {"block_m_scan": bm, "block_p_scan": bp, "block_k_scan": bk,
                            "num_warps_scan": nw, "num_stages_scan": ns})
-                         for bm, bp, bk, nw, ns in ((128, 64, 32, 8, 2), (128, 64, 32, 8, 3),
-                                                    (128, 64, 32, 4, 3), (128, 64, 32, 4, 4),
-                                                    (128, 64, 64, 4, 3), (128, 64, 64, 8, 2),
-                                                    (64, 64, 32, 4, 3), (128, 128, 32, 8, 2),
-                                                    (64, 128, 32, 4, 2), (128, 64, 64, 8, 1),
-                                                    (64, 64, 64, 4, 2))]
-            variants += [("dt + fused state", {"_stop_after": "passing"}),
-                         ("dt + fused state + CB", {"_stop_after": "cb"})]
+                         for bm, bp, bk, nw, ns in ((64, 128, 32, 4, 3), (64, 128, 64, 4, 2),
+                                                    (32, 128, 32, 4, 2), (64, 128, 32, 8, 2),
+                                                    (128, 128, 32, 4, 2), (64, 128, 16, 4, 3),
+                                                    (32, 128, 32, 2, 2), (64, 128, 32, 4, 1))]
+            variants += [("dt + state", {"_stop_after": "state"}),
+                         ("dt + state + CB", {"_stop_after": "cb"})]
         for name, kw in variants:
             try:
                 s2 = ssm.clone()

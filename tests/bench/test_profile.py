@@ -12,7 +12,7 @@ from mambaserve.cli import main
 
 
 @pytest.mark.parametrize("name, group", [
-    ("_chunk_scan_kernel", "ssd"), ("_state_passing_kernel", "ssd"),
+    ("_chunk_scan_kernel", "ssd"), ("_chunk_state_passing_kernel", "ssd"),
     ("_conv_varlen_kernel", "conv"), ("_ssu_kernel", "state_update"),
     ("_paged_attention_kernel", "attention"), ("_write_kv_kernel", "attention"),
     ("_gated_rmsnorm_kernel", "norm"),

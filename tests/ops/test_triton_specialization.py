@@ -27,7 +27,7 @@ def _decorated_kernels():
 def test_do_not_specialize_names_are_parameters():
     found = list(_decorated_kernels())
     # the batch-dependent sizes of the prefill kernels, at least
-    assert {"_conv_varlen_kernel", "_chunk_state_kernel", "_paged_attention_tiled_kernel"} <= {
+    assert {"_conv_varlen_kernel", "_chunk_state_passing_kernel", "_paged_attention_tiled_kernel"} <= {
         fn.name for _, fn, _ in found}
     for name, fn, names in found:
         params = [a.arg for a in fn.args.args]

@@ -7,22 +7,21 @@ them. By default (`contiguous_chunks=True`) the kernels also rely on what build_
 guarantee: a chunk's tokens are consecutive in the stream (rows are contiguous runs and chunks
 split rows), so a chunk is addressed from its first token `chunk_token_idx[c, 0]` without a
 per-token gather; `contiguous_chunks=False` gathers every token through `chunk_token_idx`.
-Five launches, in this order:
+Four launches, in this order:
 
 0. `_chunk_dt_kernel`, grid (cdiv(H, BLOCK_H), chunks): dt = clamp(softplus(dt + dt_bias)) (0 on
    padding) and cum = cumsum(dt * A) once per chunk and head, into [chunks, H, L] float32 buffers,
    plus the number of tokens of each chunk. Everything after reads these.
-A. `_chunk_state_kernel`, grid (cdiv(P, BLOCK_P) * cdiv(N, BLOCK_N), H, chunks): the chunk's end
-   state from zero, S_loc = (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, accumulated over BLOCK_L token
-   blocks (only up to the chunk's length), written into the returned `chunk_end_states`.
-B. `_state_passing_kernel`, grid (rows, H, cdiv(P*N, BLOCK_S)): walks the row's chunks in order
-   from the initial state (slot state if has_initial_state and slot >= 0, else zero), turning each
-   local end state into the true one in place (S = S_prev * exp(cum[L-1]) + S_loc; the next
-   chunk's local state is prefetched), and stores the last one into ssm_state[slot] (skipped for
-   a negative slot). It first copies a used initial state into the rows' part of the state
-   buffer (past the chunks' part), because the slot is overwritten, and records for every chunk
-   where its start state lives: the previous chunk's end state, the row's copied initial state,
-   or none (zero).
+S. `_chunk_state_passing_kernel`, grid (cdiv(P, BLOCK_P) * cdiv(N, BLOCK_N), H, rows): one
+   program walks a row's chunks in order for one tile of one head's state, starting from the
+   row's initial state (slot state if has_initial_state and slot >= 0, else zero):
+   S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, the whole chunk in one dot,
+   S kept in registers. Each chunk's true end state is stored once into the returned
+   `chunk_end_states` (no chunk-local state written and read back), the last one into
+   ssm_state[slot] (skipped for a negative slot). A used initial state is first copied into the
+   rows' part of the state buffer (past the chunks' part: the slot is overwritten), and one
+   program per row records for every chunk where its start state lives: the previous chunk's
+   end state, the row's copied initial state, or none (zero).
 CB. `_chunk_cb_kernel`, grid (nb * (nb + 1) / 2, G, chunks), nb = L / BLOCK_CB: C·Bᵀ once per
    chunk and group, lower-triangle [BLOCK_CB, BLOCK_CB] tiles of a [chunks, G, L, L] float32
    buffer, shared by the H/G heads of the group.
@@ -82,88 +81,6 @@ def _chunk_rows(cti_ptr, c, cti_c, offs, t0, CONTIG: tl.constexpr):
     return rows
 
 
-@triton.jit(do_not_specialize=["T"])
-def _chunk_state_kernel(
-    x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, st_ptr,
-    T, H, P, N, heads_per_group,
-    x_t, x_h, x_p, B_t, B_g, B_n, cti_c,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    IP: tl.constexpr, CONTIG: tl.constexpr,
-):
-    num_nb = tl.cdiv(N, BLOCK_N)
-    pb = tl.program_id(0) // num_nb  # the tiles of one (chunk, head) run next to each other
-    nb = tl.program_id(0) % num_nb
-    h = tl.program_id(1)
-    c = tl.program_id(2).to(tl.int64)
-    g = h // heads_per_group
-    cdt = x_ptr.dtype.element_ty
-    clen = tl.load(clen_ptr + c)
-    ch = (c * H + h) * L
-    cum_last = tl.load(cum_ptr + ch + L - 1)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    mp = offs_p < P
-    mn = offs_n < N
-    t0 = tl.load(cti_ptr + c * cti_c)
-    xb = x_ptr + t0 * x_t + h * x_h
-    Bb = B_ptr + t0 * B_t + g * B_g
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for l0 in range(0, clen, BLOCK_L):
-        offs_l = l0 + tl.arange(0, BLOCK_L)
-        ml = offs_l < clen
-        rows = _chunk_rows(cti_ptr, c, cti_c, offs_l, t0, CONTIG)
-        w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
-        x = tl.load(xb + rows[None, :] * x_t + offs_p[:, None] * x_p,
-                    mask=mp[:, None] & ml[None, :], other=0.0)  # [BLOCK_P, BLOCK_L]
-        Bm = tl.load(Bb + rows[:, None] * B_t + offs_n[None, :] * B_n,
-                     mask=ml[:, None] & mn[None, :], other=0.0)  # [BLOCK_L, BLOCK_N]
-        xw = (x.to(tl.float32) * w[None, :]).to(cdt)
-        acc = tl.dot(xw, Bm.to(cdt), acc=acc, input_precision=IP)
-    tl.store(st_ptr + (c * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :], acc,
-             mask=mp[:, None] & mn[None, :])
-
-
-@triton.jit(do_not_specialize=["num_chunks", "rc_r"])
-def _state_passing_kernel(
-    ssm_ptr, slot_ptr, init_ptr, row_chunks_ptr, nchunks_ptr, st_ptr, cum_ptr, src_ptr,
-    num_chunks, H, P, N, s_slot, s_h, s_p, s_n, rc_r,
-    L: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    sb = tl.program_id(2)
-    slot = tl.load(slot_ptr + r).to(tl.int64)
-    valid = slot >= 0
-    use_init = valid & (tl.load(init_ptr + r) != 0)
-    slot = tl.maximum(slot, 0)
-    offs = sb * BLOCK_S + tl.arange(0, BLOCK_S)
-    m = offs < P * N
-    p = offs // N
-    n = offs % N
-    PN = P * N
-    s_ptrs = ssm_ptr + slot * s_slot + h * s_h + p * s_p + n * s_n
-    running = tl.load(s_ptrs, mask=m & use_init, other=0.0).to(tl.float32)
-    # keep the initial state for the output launch: the slot is overwritten below
-    init_id = num_chunks + r.to(tl.int64)
-    tl.store(st_ptr + (init_id * H + h) * PN + offs, running, mask=m & use_init)
-    writer = (h == 0) & (sb == 0)  # one program per row records the start-state sources
-    prev = tl.where(use_init, init_id, -1)
-    nck = tl.load(nchunks_ptr + r)
-    cid = tl.load(row_chunks_ptr + r * rc_r).to(tl.int64)
-    loc = tl.load(st_ptr + (cid * H + h) * PN + offs, mask=m, other=0.0)
-    for i in range(nck):
-        tl.store(src_ptr + cid, prev, mask=writer)
-        dec = tl.exp(tl.load(cum_ptr + (cid * H + h) * L + L - 1))
-        running = running * dec + loc
-        more = i + 1 < nck
-        nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
-        loc = tl.load(st_ptr + (nxt * H + h) * PN + offs, mask=m & more, other=0.0)
-        tl.store(st_ptr + (cid * H + h) * PN + offs, running, mask=m)
-        prev = cid
-        cid = nxt
-    tl.store(s_ptrs, running.to(ssm_ptr.dtype.element_ty), mask=m & valid)
-
-
 @triton.jit
 def _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, c, t0, clen, h, g, offs_p, offs_n, mp, mn,
                     x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L: tl.constexpr, CONTIG: tl.constexpr):
@@ -189,7 +106,7 @@ def _chunk_state_passing_kernel(
     num_chunks, H, P, N, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n, cti_c, s_slot, s_h, s_p, s_n, rc_r,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    IP: tl.constexpr, CONTIG: tl.constexpr, PREFETCH: tl.constexpr, SLOT_LIKE_BUF: tl.constexpr,
+    IP: tl.constexpr, CONTIG: tl.constexpr, SLOT_LIKE_BUF: tl.constexpr,
 ):
     """Launches A and B in one: walks one row's chunks in order for a [BLOCK_P, BLOCK_N] tile of
     one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, keeping
@@ -228,9 +145,6 @@ def _chunk_state_passing_kernel(
     cid = tl.load(row_chunks_ptr + r * rc_r).to(tl.int64)
     t0 = tl.load(cti_ptr + cid * cti_c)
     clen = tl.load(clen_ptr + cid)
-    if PREFETCH:  # the first chunk's tiles; later ones are loaded an iteration ahead
-        x_nx, B_nx = _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, cid, t0, clen, h, g, offs_p, offs_n,
-                                     mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L, CONTIG)
     for i in range(nck):
         tl.store(src_ptr + cid, prev, mask=writer)
         ch = (cid * H + h) * L
@@ -238,13 +152,8 @@ def _chunk_state_passing_kernel(
         if BLOCK_L == L:  # the whole chunk in one dot
             offs_l = tl.arange(0, L)
             w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
-            if PREFETCH:
-                x = x_nx
-                Bm = B_nx
-            else:
-                x, Bm = _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, cid, t0, clen, h, g, offs_p,
-                                        offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L,
-                                        CONTIG)
+            x, Bm = _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, cid, t0, clen, h, g, offs_p, offs_n,
+                                    mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L, CONTIG)
             xw = (x.to(tl.float32) * w[None, :]).to(cdt)
             loc = tl.dot(xw, Bm.to(cdt), input_precision=IP)
         else:
@@ -266,11 +175,7 @@ def _chunk_state_passing_kernel(
         more = i + 1 < nck
         nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
         t0_n = tl.load(cti_ptr + nxt * cti_c, mask=more, other=0)
-        clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)  # 0 past the row: masked tiles
-        if PREFETCH:
-            x_nx, B_nx = _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, nxt, t0_n, clen_n, h, g, offs_p,
-                                         offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L,
-                                         CONTIG)
+        clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)
         running = running * tl.exp(cum_last) + loc
         tl.store(st_ptr + (cid * H + h) * PN + st_off, running, mask=mpn)
         prev = cid
@@ -445,36 +350,33 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
                                  block_p_state: int | None = None,
                                  block_n_state: int | None = None,
                                  block_l_state: int | None = None,
-                                 num_warps_state: int = 4, num_stages_state: int = 2,
-                                 block_s: int = 1024, num_warps_passing: int = 4,
+                                 num_warps_state: int = 4, num_stages_state: int = 1,
                                  block_cb: int | None = None, block_k_cb: int | None = None,
                                  num_warps_cb: int = 4,
                                  block_m_scan: int | None = None,
                                  block_p_scan: int | None = None,
                                  block_k_scan: int | None = None,
                                  block_n_scan: int | None = None,
-                                 num_warps_scan: int = 8, num_stages_scan: int = 1,
+                                 num_warps_scan: int = 4, num_stages_scan: int = 2,
                                  contiguous_chunks: bool = True,
-                                 fused_state: bool = True, prefetch_state: bool = False,
                                  split_scan: bool = False,
                                  _stop_after: str | None = None):
     """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`.
 
     Keyword-only tuning knobs (None = default): block sizes are powers of two >= 16.
-      launch A: block_p_state (64), block_n_state (min(N, 128)), block_l_state (min(L, 64)),
-                num_warps_state, num_stages_state;
-      launch B: block_s (P*N elements per program), num_warps_passing;
+      launch S: block_p_state (64), block_n_state (min(N, 128)), block_l_state (L: the whole
+                chunk in one dot; smaller loops over token blocks), num_warps_state,
+                num_stages_state;
       launch CB: block_cb (min(L, 64)), block_k_cb (N block, min(N, 128)), num_warps_cb;
-      launch C: block_m_scan (min(L, 128)), block_p_scan (64), block_k_scan (source block, min(L,
-                32)), block_n_scan (N block of the inter-chunk dot, min(N, 128)), num_warps_scan,
-                num_stages_scan.
+      launch C: block_m_scan (min(L, 64)), block_p_scan (P rounded up to a power of two, at most
+                128), block_k_scan (source block, min(L, 32)), block_n_scan (N block of the
+                inter-chunk dot, min(N, 128)), num_warps_scan (4), num_stages_scan (2);
+                split_scan: source blocks wholly below the row tile in a second, unmasked loop.
       contiguous_chunks: True (default) assumes each chunk's tokens are consecutive in the stream
                 (true of every build_metadata plan) and addresses them from the chunk's first
                 token; False gathers each token through chunk_token_idx (any plan).
-    num_stages_scan defaults to 1: the scan's loops run 1-2 iterations, and software pipelining
-    (2 stages) made launch C 1.8x slower on an H200 (Triton 3.6).
-    `_stop_after` ("dt", "state", "passing" or "cb") stops after that launch: per-launch timing
-    only ("state" includes the dt launch).
+    Defaults come from H200 sweeps (docs/kernels.md).
+    `_stop_after` ("dt", "state" or "cb") stops after that launch: per-launch timing only.
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -500,11 +402,13 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
 
     bps = block_p_state or 64
     bns = block_n_state or _pow2_at_most(N, 128)
-    bls = block_l_state or (L if fused_state else min(L, 64))
+    bls = block_l_state or L
     bcb = block_cb or min(L, 64)
     bkcb = block_k_cb or _pow2_at_most(N, 128)
-    bm = block_m_scan or min(L, 128)  # H200 sweep (docs/kernels.md): 128 x 64 tiles, 32-token
-    bpc = block_p_scan or 64  # source blocks, 8 warps: 4-5 % faster than 64 x 32 / 64 / 4
+    # H200 sweep (docs/kernels.md): 64-row tiles with all of P (80 -> 128) in one block, so each
+    # program builds its decay-weighted scores once; 32-token source blocks, 4 warps, 2 stages
+    bm = block_m_scan or min(L, 64)
+    bpc = block_p_scan or _pow2_at_most(P, 128)
     bk = block_k_scan or min(L, 32)
     bnc = block_n_scan or _pow2_at_most(N, 128)
     for name, v, hi in (("block_p_state", bps, None), ("block_n_state", bns, None),
@@ -529,35 +433,17 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
     if _stop_after == "dt":
         return y, end_states
     chunk_src = torch.empty((num_chunks,), dtype=torch.int64, device=dev)
-    if fused_state:
-        _chunk_state_passing_kernel[(triton.cdiv(P, bps) * triton.cdiv(N, bns), H, R)](
-            x, B, chunk_token_idx, dt_c, cum, clen, states, chunk_src,
-            ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks,
-            num_chunks, H, P, N, H // G,
-            *x.stride(), *B.stride(), chunk_token_idx.stride(0), *ssm_state.stride(),
-            row_chunks.stride(0),
-            L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
-            PREFETCH=prefetch_state and bls == L,
-            SLOT_LIKE_BUF=ssm_state.stride(2) == N and ssm_state.stride(3) == 1,
-            num_warps=num_warps_state, num_stages=num_stages_state,
-        )
-    else:
-        _chunk_state_kernel[(triton.cdiv(P, bps) * triton.cdiv(N, bns), H, num_chunks)](
-            x, B, chunk_token_idx, dt_c, cum, clen, states,
-            T, H, P, N, H // G,
-            *x.stride(), *B.stride(), chunk_token_idx.stride(0),
-            L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
-            num_warps=num_warps_state,
-            num_stages=num_stages_state,
-        )
-        if _stop_after == "state":
-            return y, end_states
-        _state_passing_kernel[(R, H, triton.cdiv(P * N, block_s))](
-            ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks, states, cum,
-            chunk_src, num_chunks, H, P, N, *ssm_state.stride(), row_chunks.stride(0),
-            L=L, BLOCK_S=block_s, num_warps=num_warps_passing,
-        )
-    if _stop_after == "passing":
+    _chunk_state_passing_kernel[(triton.cdiv(P, bps) * triton.cdiv(N, bns), H, R)](
+        x, B, chunk_token_idx, dt_c, cum, clen, states, chunk_src,
+        ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks,
+        num_chunks, H, P, N, H // G,
+        *x.stride(), *B.stride(), chunk_token_idx.stride(0), *ssm_state.stride(),
+        row_chunks.stride(0),
+        L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
+        SLOT_LIKE_BUF=ssm_state.stride(2) == N and ssm_state.stride(3) == 1,
+        num_warps=num_warps_state, num_stages=num_stages_state,
+    )
+    if _stop_after == "state":
         return y, end_states
     cb = torch.empty((num_chunks, G, L, L), **f32)
     nb = L // bcb
