@@ -307,7 +307,6 @@ def prefill(peer, shapes, sweep):
         yr, er = ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1, *args)
         variants = [("triton", {})]
         if sweep:
-            variants += [("split scan loops", {"split_scan": True})]
             variants += [(f"state bp{bp} bn{bn} w{nw}",
                           {"block_p_state": bp, "block_n_state": bn, "num_warps_state": nw})
                          for bp, bn, nw in ((64, 128, 8), (128, 128, 8), (128, 64, 4))]

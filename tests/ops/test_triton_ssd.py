@@ -141,7 +141,7 @@ def test_ssd_fp16_chunk32():
 # tuning knobs: several row tiles and source blocks per chunk (BLOCK_K below, equal to and above
 # BLOCK_M), CB tiles smaller than the chunk and an N loop in the CB launch, N split over blocks in
 # the state launch and over the inter-chunk dot in C, P not a multiple of the P blocks, token
-# blocks smaller than the chunk in the state launch, the scan's split (unmasked + masked) loops
+# blocks smaller than the chunk in the state launch
 KNOBS = {
     "defaults": {},
     "m16_k16_cb16": {"block_m_scan": 16, "block_k_scan": 16, "block_cb": 16, "block_l_state": 16},
@@ -150,8 +150,6 @@ KNOBS = {
                        "block_n_scan": 16, "block_k_cb": 16, "block_p_state": 16},
     "wide_p": {"block_p_scan": 64, "block_p_state": 32, "block_l_state": 32, "num_warps_scan": 2,
                "num_stages_scan": 2},
-    "split_scan": {"split_scan": True, "block_m_scan": 16, "block_k_scan": 16,
-                   "num_stages_scan": 1},
 }
 # chunk 32: short first chunks (prefix ends mid-chunk) shorter than a 16-row tile, a row inside one
 # chunk, rows of several chunks with and without initial state, a negative slot
@@ -231,8 +229,8 @@ GPU_KNOBS = {
     "state_p32_n64_l64": {"block_p_state": 32, "block_n_state": 64, "block_l_state": 64,
                           "num_stages_state": 2},
     "gather": {"contiguous_chunks": False},
-    "split_m128": {"split_scan": True, "block_m_scan": 128, "block_p_scan": 64,
-                   "num_warps_scan": 8, "num_stages_scan": 1},
+    "m128_p64_w8": {"block_m_scan": 128, "block_p_scan": 64, "num_warps_scan": 8,
+                    "num_stages_scan": 1},
 }
 
 

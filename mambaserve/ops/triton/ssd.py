@@ -228,8 +228,7 @@ def _chunk_scan_kernel(
     H, P, N, G, heads_per_group,
     x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
     L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr, SPLIT: tl.constexpr,
-    ONE_N_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr, ONE_N_BLOCK: tl.constexpr,
 ):
     num_pb = tl.cdiv(P, BLOCK_P)
     mb = tl.program_id(0) // num_pb  # the P blocks of one row tile run next to each other
@@ -278,54 +277,24 @@ def _chunk_scan_kernel(
             acc = acc * tl.exp(cum_m)[:, None]
 
         # intra-chunk: (CB ∘ exp(cum[l] - cum[s]) [s <= l] ∘ dt[s]) . x over source blocks up to
-        # the tile's last row. Blocks wholly before the tile's first row need no mask: their
-        # sources are real tokens (s < m0 < clen), and rows past clen (CB tiles the CB launch may
-        # have skipped) only reach output rows that are not stored.
+        # the tile's last row, in one loop with unmasked CB loads: CB entries the CB launch never
+        # wrote (above the diagonal tiles, rows of padding) are uninitialized, and the select
+        # after the product drops them (and any inf of exp above the diagonal) for s > l; padding
+        # rows are never stored, and sources past the chunk's length have dt = 0 and masked x.
+        # (A variant with the blocks wholly below the tile in a second, unmasked loop was slower.)
         cb_base = cb_ptr + (c * G + g) * L * L
         hi = tl.minimum(m0 + BLOCK_M, clen)
-        if SPLIT:
-            full = (m0 // BLOCK_K) * BLOCK_K
-            for s0 in range(0, full, BLOCK_K):
-                offs_s = s0 + tl.arange(0, BLOCK_K)
-                cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :])
-                cum_s = tl.load(cum_ptr + ch + offs_s)
-                dt_s = tl.load(dtc_ptr + ch + offs_s)
-                scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
-                rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
-                xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
-                             mask=mp[None, :], other=0.0)
-                acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
-            # blocks that overlap the tile's rows: causal and chunk-length masks
-            for s0 in range(full, hi, BLOCK_K):
-                offs_s = s0 + tl.arange(0, BLOCK_K)
-                ms = offs_s < clen
-                keep = (offs_s[None, :] <= offs_m[:, None]) & ms[None, :] & mm[:, None]
-                cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :], mask=keep,
-                             other=0.0)
-                cum_s = tl.load(cum_ptr + ch + offs_s)
-                dt_s = tl.load(dtc_ptr + ch + offs_s)
-                decay = tl.exp(tl.where(keep, cum_m[:, None] - cum_s[None, :], float("-inf")))
-                scores = cb * decay * dt_s[None, :]
-                rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
-                xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
-                             mask=ms[:, None] & mp[None, :], other=0.0)
-                acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
-        else:
-            # one loop, unmasked CB loads: CB entries the CB launch never wrote (above the
-            # diagonal tiles, rows of padding) are uninitialized, and the select after the
-            # product drops them (and any inf of exp above the diagonal) for s > l; padding rows
-            # are never stored, and sources past the chunk's length have dt = 0 and masked x
-            for s0 in range(0, hi, BLOCK_K):
-                offs_s = s0 + tl.arange(0, BLOCK_K)
-                cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :])
-                cum_s = tl.load(cum_ptr + ch + offs_s)
-                dt_s = tl.load(dtc_ptr + ch + offs_s)
-                scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
-                scores = tl.where(offs_s[None, :] <= offs_m[:, None], scores, 0.0)
-                rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
-                xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
-                             mask=(offs_s < clen)[:, None] & mp[None, :], other=0.0)
-                acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
+        for s0 in range(0, hi, BLOCK_K):
+            offs_s = s0 + tl.arange(0, BLOCK_K)
+            cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :])
+            cum_s = tl.load(cum_ptr + ch + offs_s)
+            dt_s = tl.load(dtc_ptr + ch + offs_s)
+            scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
+            scores = tl.where(offs_s[None, :] <= offs_m[:, None], scores, 0.0)
+            rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
+            xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
+                         mask=(offs_s < clen)[:, None] & mp[None, :], other=0.0)
+            acc = tl.dot(scores.to(cdt), xs.to(cdt), acc=acc, input_precision=IP)
 
         mo = mm[:, None] & mp[None, :]
         xm = tl.load(xb + rows_m[:, None] * x_t + offs_p[None, :] * x_p, mask=mo, other=0.0)
@@ -357,9 +326,8 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
                                  block_p_scan: int | None = None,
                                  block_k_scan: int | None = None,
                                  block_n_scan: int | None = None,
-                                 num_warps_scan: int = 4, num_stages_scan: int = 2,
+                                 num_warps_scan: int = 4, num_stages_scan: int = 3,
                                  contiguous_chunks: bool = True,
-                                 split_scan: bool = False,
                                  _stop_after: str | None = None):
     """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`.
 
@@ -369,9 +337,8 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
                 num_stages_state;
       launch CB: block_cb (min(L, 64)), block_k_cb (N block, min(N, 128)), num_warps_cb;
       launch C: block_m_scan (min(L, 64)), block_p_scan (P rounded up to a power of two, at most
-                128), block_k_scan (source block, min(L, 32)), block_n_scan (N block of the
-                inter-chunk dot, min(N, 128)), num_warps_scan (4), num_stages_scan (2);
-                split_scan: source blocks wholly below the row tile in a second, unmasked loop.
+                128), block_k_scan (source block, 16), block_n_scan (N block of the inter-chunk
+                dot, min(N, 128)), num_warps_scan (4), num_stages_scan (3).
       contiguous_chunks: True (default) assumes each chunk's tokens are consecutive in the stream
                 (true of every build_metadata plan) and addresses them from the chunk's first
                 token; False gathers each token through chunk_token_idx (any plan).
@@ -406,10 +373,10 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
     bcb = block_cb or min(L, 64)
     bkcb = block_k_cb or _pow2_at_most(N, 128)
     # H200 sweep (docs/kernels.md): 64-row tiles with all of P (80 -> 128) in one block, so each
-    # program builds its decay-weighted scores once; 32-token source blocks, 4 warps, 2 stages
+    # program builds its decay-weighted scores once; 16-token source blocks, 4 warps, 3 stages
     bm = block_m_scan or min(L, 64)
     bpc = block_p_scan or _pow2_at_most(P, 128)
-    bk = block_k_scan or min(L, 32)
+    bk = block_k_scan or 16
     bnc = block_n_scan or _pow2_at_most(N, 128)
     for name, v, hi in (("block_p_state", bps, None), ("block_n_state", bns, None),
                         ("block_l_state", bls, L), ("block_cb", bcb, L), ("block_k_cb", bkcb, None),
@@ -462,6 +429,6 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
         H, P, N, G, H // G,
         *x.stride(), *C.stride(), *y.stride(), chunk_token_idx.stride(0),
         L=L, BLOCK_M=bm, BLOCK_P=bpc, BLOCK_K=bk, BLOCK_N=bnc, IP=IP, CONTIG=contiguous_chunks,
-        SPLIT=split_scan, ONE_N_BLOCK=bnc >= N, num_warps=num_warps_scan, num_stages=num_stages_scan,
+        ONE_N_BLOCK=bnc >= N, num_warps=num_warps_scan, num_stages=num_stages_scan,
     )
     return y, end_states
