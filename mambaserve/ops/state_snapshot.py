@@ -33,7 +33,28 @@ def save_prefill_ssm_snapshots(ssm_state: torch.Tensor, chunk_end_states: torch.
 
 def save_decode_snapshots(conv_state: torch.Tensor, ssm_state: torch.Tensor,
                           state_slots: torch.Tensor, snap_dst: torch.Tensor) -> None:
-    """Copy each decode row's state (after this step) to snap_dst[row] (-1: none)."""
+    """Copy each decode row's state (after this step) to snap_dst[row] (-1: none).
+
+    On CUDA with Triton (pools whose slots are contiguous) only rows with a destination move
+    bytes and the scratch slot is left alone; the reference below routes rows without one to the
+    scratch slot, which is fine for its fixed shapes but moves every row's state.
+    """
+    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
+
+    if (conv_state.is_cuda and triton_available() and conv_state[0].is_contiguous()
+            and ssm_state[0].is_contiguous()):
+        from mambaserve.ops.triton.state_copy import copy_state_slots_triton
+
+        copy_state_slots_triton(conv_state, state_slots, snap_dst)
+        copy_state_slots_triton(ssm_state, state_slots, snap_dst)
+        return
+    save_decode_snapshots_ref(conv_state, ssm_state, state_slots, snap_dst)
+
+
+def save_decode_snapshots_ref(conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                              state_slots: torch.Tensor, snap_dst: torch.Tensor) -> None:
+    """Reference of `save_decode_snapshots`: gather every row, scatter to the destination or the
+    scratch slot (-1)."""
     src = safe_slots(state_slots, conv_state.shape[0])
     dst = safe_slots(snap_dst, conv_state.shape[0])
     conv_state.index_copy_(0, dst, conv_state.index_select(0, src))

@@ -1,0 +1,93 @@
+"""Triton state-slot copy for decode snapshots vs. the reference (CPU interpreter without CUDA;
+compiled with it): destinations get the rows' states bit for bit, rows without a destination
+(and padding rows with slot -1) touch nothing, not even the scratch slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_env import DEV, require_interpreter  # before anything imports triton
+
+from mambaserve.ops.state_snapshot import save_decode_snapshots, save_decode_snapshots_ref
+from mambaserve.ops.triton.state_copy import _copy_slots_kernel, copy_state_slots_triton
+
+require_interpreter(_copy_slots_kernel)
+
+SRC = [3, 0, 5, -1, 2, 1]  # decode rows' live slots; -1 = a padded graph row
+DST = [7, -1, 6, -1, -1, 8]  # snapshot destinations; -1 = none
+
+
+def _pools(num_slots, conv_shape, ssm_shape, conv_dtype, gen):
+    conv = torch.randn(num_slots + 1, *conv_shape, generator=gen).to(DEV, conv_dtype)
+    ssm = torch.randn(num_slots + 1, *ssm_shape, generator=gen).to(DEV)
+    return conv, ssm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16]
+                         + ([torch.bfloat16] if DEV == "cuda" else []))
+@pytest.mark.parametrize("block", [16, 64, 4096])
+def test_copy_slots_matches_reference_on_real_slots(dtype, block):
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(10, 3, 7, generator=gen).to(DEV, dtype)  # 21 elements: partial blocks
+    src = torch.tensor(SRC, dtype=torch.int32, device=DEV)
+    dst = torch.tensor(DST, dtype=torch.int64, device=DEV)
+    before = pool.clone()
+    copy_state_slots_triton(pool, src, dst, block=block, num_warps=2)
+    expect = before.clone()
+    for s, d in zip(SRC, DST):
+        if s >= 0 and d >= 0:
+            expect[d] = before[s]
+    assert torch.equal(pool, expect)  # every other slot, scratch included, untouched
+
+
+def test_decode_snapshots_through_the_public_op():
+    gen = torch.Generator().manual_seed(1)
+    conv, ssm = _pools(9, (24, 3), (2, 4, 5), torch.float32, gen)
+    # a pool whose slot stride is not the slot size (a view into a larger buffer)
+    conv = torch.cat([conv, torch.zeros_like(conv)], dim=1)[:, :24]
+    assert not conv.is_contiguous() and conv[0].is_contiguous()
+    src = torch.tensor(SRC, dtype=torch.int32, device=DEV)
+    dst = torch.tensor(DST, dtype=torch.int64, device=DEV)
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    save_decode_snapshots_ref(conv_ref, ssm_ref, src, dst)
+    if DEV == "cuda":
+        save_decode_snapshots(conv, ssm, src, dst)  # dispatches to the kernel
+    else:
+        copy_state_slots_triton(conv, src, dst)
+        copy_state_slots_triton(ssm, src, dst)
+    # the reference wrote rows without a destination into the scratch slot (the last); the
+    # kernel leaves it alone
+    assert torch.equal(conv[:-1], conv_ref[:-1]) and torch.equal(ssm[:-1], ssm_ref[:-1])
+
+
+def test_public_op_on_cpu_is_the_reference():
+    gen = torch.Generator().manual_seed(2)
+    conv, ssm = torch.randn(6, 8, 3, generator=gen), torch.randn(6, 2, 3, 4, generator=gen)
+    src, dst = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([4, -1])
+    a, b = conv.clone(), ssm.clone()
+    save_decode_snapshots(conv, ssm, src, dst)
+    save_decode_snapshots_ref(a, b, src, dst)
+    assert torch.equal(conv, a) and torch.equal(ssm, b)
+
+
+def test_bad_pool_and_block_rejected():
+    pool = torch.zeros(4, 3, 5, device=DEV)[:, :, :2]  # slots not contiguous
+    idx = torch.zeros(1, dtype=torch.int64, device=DEV)
+    with pytest.raises(AssertionError, match="contiguous"):
+        copy_state_slots_triton(pool, idx, idx)
+    with pytest.raises(AssertionError, match="power of two"):
+        copy_state_slots_triton(torch.zeros(4, 8, device=DEV), idx, idx, block=48)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+def test_decode_snapshots_at_the_9b_shapes_on_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    ssm = torch.randn(65, 128, 80, 128, device="cuda", generator=gen)
+    conv = torch.randn(65, 12288, 3, device="cuda", generator=gen).to(torch.bfloat16)
+    src = torch.arange(32, dtype=torch.int32, device="cuda")
+    dst = torch.full((32,), -1, dtype=torch.int64, device="cuda")
+    dst[[3, 17]] = torch.tensor([40, 50], device="cuda")
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    save_decode_snapshots_ref(conv_ref, ssm_ref, src, dst)
+    save_decode_snapshots(conv, ssm, src, dst)
+    assert torch.equal(conv[:-1], conv_ref[:-1]) and torch.equal(ssm[:-1], ssm_ref[:-1])
