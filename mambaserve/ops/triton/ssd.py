@@ -106,11 +106,11 @@ def _chunk_state_passing_kernel(
     num_chunks, H, P, N, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n, cti_c, s_slot, s_h, s_p, s_n, rc_r,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    IP: tl.constexpr, CONTIG: tl.constexpr, SLOT_LIKE_BUF: tl.constexpr,
+    IP: tl.constexpr, CONTIG: tl.constexpr,
 ):
-    """Launches A and B in one: walks one row's chunks in order for a [BLOCK_P, BLOCK_N] tile of
-    one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, keeping
-    S in registers; each chunk's true end state is stored once (no local-state round trip)."""
+    """Launch S (module docstring): walks one row's chunks in order for a [BLOCK_P, BLOCK_N]
+    tile of one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B,
+    keeping S in registers; each chunk's true end state is stored once."""
     num_nb = tl.cdiv(N, BLOCK_N)
     pb = tl.program_id(0) // num_nb
     nb = tl.program_id(0) % num_nb
@@ -130,10 +130,7 @@ def _chunk_state_passing_kernel(
     use_init = valid & (tl.load(init_ptr + r) != 0)
     slot = tl.maximum(slot, 0)
     s_base = ssm_ptr + slot * s_slot + h * s_h
-    if SLOT_LIKE_BUF:  # the slot's [P, N] is laid out like the buffer's: no second offset tile
-        s_off = st_off  # live through the loop
-    else:
-        s_off = offs_p[:, None] * s_p + offs_n[None, :] * s_n
+    s_off = offs_p[:, None] * s_p + offs_n[None, :] * s_n
     running = tl.load(s_base + s_off, mask=mpn & use_init, other=0.0).to(tl.float32)
     # keep the initial state for the output launch: the slot is overwritten below
     init_id = num_chunks + r.to(tl.int64)
@@ -407,7 +404,6 @@ def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state
         *x.stride(), *B.stride(), chunk_token_idx.stride(0), *ssm_state.stride(),
         row_chunks.stride(0),
         L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
-        SLOT_LIKE_BUF=ssm_state.stride(2) == N and ssm_state.stride(3) == 1,
         num_warps=num_warps_state, num_stages=num_stages_state,
     )
     if _stop_after == "state":
