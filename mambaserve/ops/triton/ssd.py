@@ -82,21 +82,25 @@ def _chunk_rows(cti_ptr, c, cti_c, offs, t0, CONTIG: tl.constexpr):
 
 
 @triton.jit
-def _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, c, t0, clen, h, g, offs_p, offs_n, mp, mn,
-                    x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L: tl.constexpr, CONTIG: tl.constexpr):
-    """One head's x tile [BLOCK_P, L] and its group's B tile [L, BLOCK_N] of a whole chunk
-    (positions past the chunk's length read as 0)."""
-    offs_l = tl.arange(0, L)
+def _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, c, t0, clen, ch, cum_last, h,
+                          g, l0, offs_p, offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c,
+                          BLOCK_L: tl.constexpr, CONTIG: tl.constexpr):
+    """The dot operands of chunk positions [l0, l0 + BLOCK_L) for one state tile: x ∘ dt ∘
+    exp(cum[L-1] - cum) [BLOCK_P, BLOCK_L] in x's dtype and B [BLOCK_L, BLOCK_N] (positions past
+    the chunk's length read as 0)."""
+    offs_l = l0 + tl.arange(0, BLOCK_L)
     ml = offs_l < clen
     if CONTIG:  # clamped to the chunk: the offset tiles depend on the chunk, so they are not
         rows = tl.minimum(offs_l, clen - 1)  # hoisted out of the chunk loop and kept live
     else:
         rows = _chunk_rows(cti_ptr, c, cti_c, offs_l, t0, CONTIG)
+    w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
     x = tl.load(x_ptr + t0 * x_t + h * x_h + rows[None, :] * x_t + offs_p[:, None] * x_p,
                 mask=mp[:, None] & ml[None, :], other=0.0)
     Bm = tl.load(B_ptr + t0 * B_t + g * B_g + rows[:, None] * B_t + offs_n[None, :] * B_n,
                  mask=ml[:, None] & mn[None, :], other=0.0)
-    return x, Bm
+    cdt = x_ptr.dtype.element_ty
+    return (x.to(tl.float32) * w[None, :]).to(cdt), Bm.to(cdt)
 
 
 @triton.jit(do_not_specialize=["num_chunks", "rc_r"])
@@ -117,7 +121,6 @@ def _chunk_state_passing_kernel(
     h = tl.program_id(1)
     r = tl.program_id(2)
     g = h // heads_per_group
-    cdt = x_ptr.dtype.element_ty
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mp = offs_p < P
@@ -146,29 +149,19 @@ def _chunk_state_passing_kernel(
         tl.store(src_ptr + cid, prev, mask=writer)
         ch = (cid * H + h) * L
         cum_last = tl.load(cum_ptr + ch + L - 1)
-        if BLOCK_L == L:  # the whole chunk in one dot
-            offs_l = tl.arange(0, L)
-            w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
-            x, Bm = _chunk_xb_tiles(x_ptr, B_ptr, cti_ptr, cid, t0, clen, h, g, offs_p, offs_n,
-                                    mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L, CONTIG)
-            xw = (x.to(tl.float32) * w[None, :]).to(cdt)
-            loc = tl.dot(xw, Bm.to(cdt), input_precision=IP)
+        if BLOCK_L == L:  # the whole chunk in one dot, no loop
+            xw, Bm = _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0, clen,
+                                           ch, cum_last, h, g, 0, offs_p, offs_n, mp, mn, x_t,
+                                           x_h, x_p, B_t, B_g, B_n, cti_c, L, CONTIG)
+            loc = tl.dot(xw, Bm, input_precision=IP)
         else:
-            xb = x_ptr + t0 * x_t + h * x_h
-            Bb = B_ptr + t0 * B_t + g * B_g
             loc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
             for l0 in range(0, clen, BLOCK_L):
-                offs_l = l0 + tl.arange(0, BLOCK_L)
-                ml = offs_l < clen
-                rows = _chunk_rows(cti_ptr, cid, cti_c, offs_l, t0, CONTIG)
-                w = (tl.load(dtc_ptr + ch + offs_l)
-                     * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l)))
-                x = tl.load(xb + rows[None, :] * x_t + offs_p[:, None] * x_p,
-                            mask=mp[:, None] & ml[None, :], other=0.0)
-                Bm = tl.load(Bb + rows[:, None] * B_t + offs_n[None, :] * B_n,
-                             mask=ml[:, None] & mn[None, :], other=0.0)
-                xw = (x.to(tl.float32) * w[None, :]).to(cdt)
-                loc = tl.dot(xw, Bm.to(cdt), acc=loc, input_precision=IP)
+                xw, Bm = _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0,
+                                               clen, ch, cum_last, h, g, l0, offs_p, offs_n, mp,
+                                               mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, BLOCK_L,
+                                               CONTIG)
+                loc = tl.dot(xw, Bm, acc=loc, input_precision=IP)
         more = i + 1 < nck
         nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
         t0_n = tl.load(cti_ptr + nxt * cti_c, mask=more, other=0)
