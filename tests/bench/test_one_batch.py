@@ -7,16 +7,11 @@ import pytest
 import torch
 
 from mambaserve.bench.one_batch import (
-    ModelCounts,
     OneBatchConfig,
-    copy_ceiling,
-    decode_step_bytes,
     format_result,
     format_table,
     int_list,
-    matmul_ceiling,
     parse_settings,
-    prefill_flops,
     run_one_batch,
 )
 from mambaserve.bench.presets import (
@@ -25,6 +20,13 @@ from mambaserve.bench.presets import (
     param_count,
     preset_config,
     write_checkpoint,
+)
+from mambaserve.bench.roofline import (
+    ModelCounts,
+    copy_ceiling,
+    decode_step_bytes,
+    matmul_ceiling,
+    prefill_flops,
 )
 from mambaserve.config import ModelConfig
 
