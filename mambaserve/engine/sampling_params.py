@@ -62,7 +62,3 @@ class SamplingParams:
         if self.stop_token_ids is not None and any(
                 not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
