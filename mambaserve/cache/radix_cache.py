@@ -43,11 +43,6 @@ class Match:
     path: list[Node]  # nodes matching the prompt's leading blocks, root excluded
     hit_depth: int  # blocks up to the deepest node with a snapshot (0 = miss)
 
-    @property
-    def hit_node(self) -> Node | None:
-        return self.path[self.hit_depth - 1] if self.hit_depth else None
-
-
 class PrefixCache:
     def __init__(self, interval: int, state_pool: StatePool, kv_pool: KVPool) -> None:
         if interval % kv_pool.page_size:

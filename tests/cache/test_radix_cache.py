@@ -33,7 +33,7 @@ def test_match_insert_and_hit_depth(cache):
     cache.kv_pool.release(pages)  # the request ends; the tree keeps its references
     cache.check_integrity([], [], [])
     m = cache.match(seq(1, 2, 3, 4), max_len=32)
-    assert len(m.path) == 3 and m.hit_depth == 3 and m.hit_node.slot == slot
+    assert len(m.path) == 3 and m.hit_depth == 3 and m.path[m.hit_depth - 1].slot == slot
     assert cache.match(seq(1, 2, 3), max_len=23).hit_depth == 0  # must leave a token to run
     m = cache.match(seq(1, 2, 9), max_len=32)
     assert len(m.path) == 2 and m.hit_depth == 0
