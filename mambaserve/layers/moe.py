@@ -4,9 +4,11 @@ Routing follows transformers' NemotronHTopkRouter exactly (scores = sigmoid(x W^
 choice by scores + e_score_correction_bias within the top groups, weights from the unbiased
 scores, optionally normalized, times routed_scaling_factor).
 
-NOTE: the reference expert loop runs every expert densely over all tokens and weights the result
-by the (mostly zero) routing weight. That wastes compute but has no data-dependent shapes, so it
-never syncs; a grouped-GEMM kernel replaces it on the GPU.
+The expert loop is a dense reference on every device: each expert runs over all tokens and its
+output is weighted by the (mostly zero) routing weight, so a step costs E / top_k times the
+routed experts' FLOPs. It has no data-dependent shapes, so it never syncs and can be captured
+in a CUDA graph. There is no sparse path (gathering each expert's routed tokens for a grouped
+GEMM) yet; it is a planned issue.
 """
 
 from __future__ import annotations
