@@ -338,7 +338,7 @@ def format_result(r: OneBatchResult) -> str:
 
 
 def format_table(results: list[OneBatchResult]) -> str:
-    """A markdown table of a sweep (the rows docs/benchmarks.md records)."""
+    """A markdown table of a sweep, one row per (input length, batch size)."""
     out = [("| backend | batch | input | TTFT ms | prefill tok/s | MFU % | x floor | decode ms/step "
             "| decode tok/s | % of BW floor |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
