@@ -3,54 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
 
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder (default: embedded model)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--device", default="cpu", help="cpu | cuda")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--chunked-prefill-size", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--mamba-ssm-dtype", default="float32")
-    p.add_argument("--memory-budget-gb", type=float, default=None,
-                   help="bytes for the state + KV pools (default: from free device memory)")
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--mamba-snapshot-interval", type=int, default=None,
-                   help="prefix-cache snapshot spacing in tokens (multiple of the chunk size)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="run every forward eagerly; default: decode-only batches replay CUDA "
-                        "graphs on a GPU, eager on a CPU (--no-enforce-eager forces the graph "
-                        "path; docs/cuda_graphs.md)")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=256,
-                   help="largest decode batch captured in a CUDA graph")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights at the config's shapes (benchmarks; the model "
-                        "folder needs only config.json)")
+from mambaserve.config import EngineConfig
 
 
-def _engine_kwargs(a: argparse.Namespace) -> dict:
-    budget = None if a.memory_budget_gb is None else int(a.memory_budget_gb * 2**30)
-    return dict(dtype=a.dtype, device=a.device, max_num_seqs=a.max_num_seqs,
-                chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
-                mamba_ssm_dtype=a.mamba_ssm_dtype, memory_budget_bytes=budget,
-                enable_prefix_caching=a.enable_prefix_caching,
-                mamba_snapshot_interval=a.mamba_snapshot_interval,
-                enforce_eager=a.enforce_eager, cuda_graph_max_bs=a.cuda_graph_max_bs,
-                load_format=a.load_format)
+def _add_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+
+
+def _engine_settings(a: argparse.Namespace) -> dict:
+    """The EngineConfig flags of `a` as keyword arguments of LLM / serve."""
+    return dataclasses.asdict(EngineConfig.from_cli(a))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from mambaserve import LLM, SamplingParams
 
+    settings = _engine_settings(a)
     t0 = time.perf_counter()
-    llm = LLM(a.model, **_engine_kwargs(a))
+    llm = LLM(a.model, **settings)
     t1 = time.perf_counter()
+    # the engine's --seed is also every prompt's sampling seed (the README's output is seed 0)
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            max_tokens=a.max_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
+                            max_tokens=a.max_tokens, seed=settings["seed"],
+                            ignore_eos=a.ignore_eos)
     outs = llm.generate(list(a.prompt), params)
     t2 = time.perf_counter()
     for out in outs:
@@ -68,25 +48,28 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"two models given: {a.model_path!r} and --model {a.model!r}")
     return serve(a.model_path or a.model, a.host, a.port, served_model_name=a.served_model_name,
                  max_waiting=None if a.max_waiting < 0 else a.max_waiting,
-                 drain_timeout=a.drain_timeout, log_level=a.log_level, **_engine_kwargs(a))
+                 drain_timeout=a.drain_timeout, log_level=a.log_level, **_engine_settings(a))
 
 
 def _server_commands(sub) -> None:
     """`mambaserve serve` (OpenAI-compatible HTTP server) and `mambaserve bench serve`."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
     s.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint folder (default: embedded model)")
-    _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+                   help="checkpoint folder (default: the embedded model)")
+    _add_model_flag(s)
+    EngineConfig.add_cli_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="0: any free port (default: %(default)s)")
     s.add_argument("--served-model-name", default=None,
                    help="model id in the API (default: the checkpoint folder's name)")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="sequences that may wait for admission before requests get 429 "
-                        "(-1: no limit)")
+                        "(-1: no limit) (default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds a SIGTERM waits for requests in flight before aborting them")
-    s.add_argument("--log-level", default="info")
+                   help="seconds a SIGTERM waits for requests in flight before aborting them "
+                        "(default: %(default)s)")
+    s.add_argument("--log-level", default="info", help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks: serve | one-batch | ab | profile")
@@ -118,20 +101,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mambaserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g = sub.add_parser("generate", help="generate text for one or more prompts",
+                       description="Generate text for one or more prompts. --seed seeds the "
+                                   "engine and is also every prompt's sampling seed.")
     g.add_argument("prompt", nargs="+")
-    _engine_args(g)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true")
+    _add_model_flag(g)
+    EngineConfig.add_cli_args(g)
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens generated per prompt at most (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.8, help="(default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, help="(default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="0: no top-k cut (default: %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token")
     g.set_defaults(func=cmd_generate)
     _server_commands(sub)
 
-    a = sub.add_parser("audit-syncs", help="count host syncs per forward in fixed scenarios")
-    _engine_args(a)
+    a = sub.add_parser("audit-syncs", help="count host syncs per forward in fixed scenarios",
+                       description="Count host syncs per forward in fixed scenarios, once with "
+                                   "prefix caching off and once on (so --enable-prefix-caching "
+                                   "changes nothing), the prefill chunk capped at 64 tokens.")
+    _add_model_flag(a)
+    EngineConfig.add_cli_args(a)
     a.set_defaults(func=lambda ns: __import__(
         "mambaserve.tools.audit_scenarios", fromlist=["run_cli"]).run_cli(ns))
 
@@ -139,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
     pp = ev_sub.add_parser("perplexity", help="perplexity of a text file, windowed")
     pp.add_argument("file")
-    _engine_args(pp)
+    _add_model_flag(pp)
+    EngineConfig.add_cli_args(pp)
     pp.add_argument("--window", type=int, default=512, help="tokens per non-overlapping window")
     pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     pp.add_argument("--out", default=None, help="also write the JSON result here")
@@ -147,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         "mambaserve.tools.eval", fromlist=["cli_perplexity"]).cli_perplexity(ns))
     qa = ev_sub.add_parser("qa", help="few-shot GSM8K-format QA accuracy (JSONL file)")
     qa.add_argument("file")
-    _engine_args(qa)
+    _add_model_flag(qa)
+    EngineConfig.add_cli_args(qa)
     qa.add_argument("--shots", type=int, default=4, help="first N items as few-shot examples")
     qa.add_argument("--max-tokens", type=int, default=256)
     qa.add_argument("--limit", type=int, default=None, help="score at most N questions")

@@ -7,6 +7,7 @@ writes `layers_block_type`; older names such as `mamba_d_conv` are accepted too)
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass, field
@@ -259,7 +260,8 @@ def resolve_dtype(name: str | torch.dtype, model_cfg: ModelConfig | None = None,
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Settings of one engine instance; the CLI flags mirror these fields."""
+    """Settings of one engine instance. Every field has a command-line flag of the same name in
+    kebab case (`add_cli_args`), except memory_budget_bytes, given as `--memory-budget-gb`."""
 
     dtype: str = "auto"
     device: str = "cpu"
@@ -293,3 +295,93 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (one prompt token and one output "
+                             f"token), got {self.max_model_len}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise ValueError(f"the memory budget must be positive, got "
+                             f"{self.memory_budget_bytes} bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+
+    # ---- command line ----------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field to `parser`, defaults taken from the fields; help strings
+        show them. `from_cli` reads the parsed namespace back."""
+        for name, (flag, kwargs) in _CLI_FLAGS.items():
+            default = cls.__dataclass_fields__[name].default
+            if name == "memory_budget_bytes":
+                default = None if default is None else default / 2**30
+            parser.add_argument(flag, dest=_cli_dest(name), default=default, **kwargs)
+
+    @classmethod
+    def from_cli(cls, namespace: argparse.Namespace) -> EngineConfig:
+        """The EngineConfig of a namespace parsed by a parser given `add_cli_args`;
+        validated, so a bad flag is a one-line ValueError."""
+        values = {}
+        for name in _CLI_FLAGS:
+            dest = _cli_dest(name)
+            if not hasattr(namespace, dest):
+                raise ValueError(f"the parsed arguments have no {_CLI_FLAGS[name][0]}: build the "
+                                 f"parser with EngineConfig.add_cli_args")
+            values[name] = getattr(namespace, dest)
+        gib = values["memory_budget_bytes"]
+        if gib is not None:
+            if not gib > 0:
+                raise ValueError(f"--memory-budget-gb must be positive, got {gib}")
+            values["memory_budget_bytes"] = int(gib * 2**30)
+        config = cls(**values)
+        config.validate()
+        return config
+
+
+def _cli_dest(field_name: str) -> str:
+    return "memory_budget_gb" if field_name == "memory_budget_bytes" else field_name
+
+
+# EngineConfig field -> (flag, argparse keywords but the default, which comes from the field).
+# The memory budget is given in GiB on the command line, in bytes in the field.
+_CLI_FLAGS: dict[str, tuple[str, dict]] = {
+    "dtype": ("--dtype", dict(help="weights and activations: auto | float32 | bfloat16 | "
+                                   "float16; auto takes the checkpoint's, float32 on a CPU "
+                                   "(default: %(default)s)")),
+    "device": ("--device", dict(help="cpu | cuda | cuda:N (default: %(default)s)")),
+    "max_num_seqs": ("--max-num-seqs", dict(
+        type=int, help="sequences running at once (default: %(default)s)")),
+    "chunked_prefill_size": ("--chunked-prefill-size", dict(
+        type=int, help="token budget of one forward (default: %(default)s)")),
+    "max_model_len": ("--max-model-len", dict(
+        type=int, help="prompt + output tokens per sequence (default: the checkpoint's "
+                       "max_position_embeddings)")),
+    "page_size": ("--page-size", dict(type=int, help="tokens per KV page (default: %(default)s)")),
+    "memory_budget_bytes": ("--memory-budget-gb", dict(
+        type=float, help="GiB for the state + KV pools (default: on a GPU, "
+                         "--gpu-memory-utilization of its free memory; 1 GiB on a CPU)")),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", dict(
+        type=float, help="share of the free GPU memory the pools may take when no "
+                         "--memory-budget-gb is given, less 2 GiB for activations "
+                         "(default: %(default)s)")),
+    "mamba_ssm_dtype": ("--mamba-ssm-dtype", dict(
+        help="dtype of the Mamba SSM state (default: %(default)s)")),
+    "enable_prefix_caching": ("--enable-prefix-caching", dict(
+        action="store_true", help="reuse KV pages and Mamba state snapshots of shared prompt "
+                                  "prefixes")),
+    "mamba_snapshot_interval": ("--mamba-snapshot-interval", dict(
+        type=int, help="prefix-cache snapshot spacing in tokens, a multiple of the chunk size "
+                       "and the page size (default: the least such multiple)")),
+    "seed": ("--seed", dict(type=int, help="seed of the engine's random draws: dummy weights "
+                                           "and requests without a seed (default: %(default)s)")),
+    "enforce_eager": ("--enforce-eager", dict(
+        action=argparse.BooleanOptionalAction,
+        help="run every forward eagerly; default: decode-only batches replay CUDA graphs on a "
+             "GPU, eager on a CPU (--no-enforce-eager forces the graph path; "
+             "docs/cuda_graphs.md)")),
+    "cuda_graph_max_bs": ("--cuda-graph-max-bs", dict(
+        type=int, help="largest decode batch captured in a CUDA graph (default: %(default)s)")),
+    "load_format": ("--load-format", dict(
+        choices=["auto", "dummy"], help="auto: safetensors weights; dummy: random weights at "
+                                        "the config's shapes (benchmarks; the model folder "
+                                        "needs only config.json) (default: %(default)s)")),
+}

@@ -1,9 +1,11 @@
+import argparse
+import dataclasses
 import json
 import math
 
 import pytest
 
-from mambaserve.config import LayerKind, ModelConfig
+from mambaserve.config import EngineConfig, LayerKind, ModelConfig
 
 BASE = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 100,
@@ -70,3 +72,63 @@ def test_missing_and_malformed_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="malformed config.json"):
         ModelConfig.from_hf(tmp_path)
+
+
+# ---- EngineConfig on the command line -----------------------------------------------------------
+
+def _cli(*argv: str) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    return EngineConfig.from_cli(parser.parse_args(list(argv)))
+
+
+def test_cli_defaults_are_the_field_defaults():
+    assert _cli() == EngineConfig()
+
+
+def test_every_engine_field_has_a_flag():
+    argv = ["--dtype", "bf16", "--device", "cuda:1", "--max-num-seqs", "7",
+            "--chunked-prefill-size", "96", "--max-model-len", "300", "--page-size", "32",
+            "--memory-budget-gb", "0.5", "--gpu-memory-utilization", "0.5",
+            "--mamba-ssm-dtype", "bfloat16", "--enable-prefix-caching",
+            "--mamba-snapshot-interval", "64", "--seed", "9", "--enforce-eager",
+            "--cuda-graph-max-bs", "8", "--load-format", "dummy"]
+    want = EngineConfig(dtype="bf16", device="cuda:1", max_num_seqs=7, chunked_prefill_size=96,
+                        max_model_len=300, page_size=32, memory_budget_bytes=2**29,
+                        gpu_memory_utilization=0.5, mamba_ssm_dtype="bfloat16",
+                        enable_prefix_caching=True, mamba_snapshot_interval=64, seed=9,
+                        enforce_eager=True, cuda_graph_max_bs=8, load_format="dummy")
+    # every field differs from its default, so a field without a flag would fail the equality
+    default = EngineConfig()
+    same = [f.name for f in dataclasses.fields(EngineConfig)
+            if getattr(want, f.name) == getattr(default, f.name)]
+    assert same == []
+    assert _cli(*argv) == want
+    assert _cli("--no-enforce-eager").enforce_eager is False
+
+
+def test_cli_help_shows_the_defaults_and_the_budget_unit():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    text = " ".join(parser.format_help().split())
+    assert "tokens per KV page (default: 16)" in text
+    assert "(default: 0.85)" in text and "(default: 2048)" in text
+    assert "GiB for the state + KV pools" in text and "bytes" not in text
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--memory-budget-gb", "0"], "--memory-budget-gb must be positive, got 0.0"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+    (["--page-size", "0"], "page_size must be >= 1, got 0"),
+    (["--gpu-memory-utilization", "1.5"], r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+    (["--max-model-len", "1"], "max_model_len must be >= 2"),
+    (["--device", "tpu"], "device must be cpu or cuda"),
+])
+def test_bad_engine_flags_are_one_line_errors(argv, match):
+    with pytest.raises(ValueError, match=match):
+        _cli(*argv)
+
+
+def test_from_cli_needs_the_engine_flags():
+    with pytest.raises(ValueError, match="no --dtype: build the parser with EngineConfig"):
+        EngineConfig.from_cli(argparse.Namespace(model=None))

@@ -17,7 +17,7 @@ import argparse
 import contextlib
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -170,12 +170,11 @@ def run_cli(args: argparse.Namespace) -> int:
     from mambaserve.config import EngineConfig
     from mambaserve.default_model import default_model_path
 
+    flags = EngineConfig.from_cli(args)
     missing, bad = [], []
     for caching in (False, True):
-        engine = LLMEngine(args.model or default_model_path(), EngineConfig(
-            dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-            chunked_prefill_size=min(args.chunked_prefill_size, 64),
-            max_model_len=args.max_model_len, mamba_ssm_dtype=args.mamba_ssm_dtype,
+        engine = LLMEngine(args.model or default_model_path(), replace(
+            flags, chunked_prefill_size=min(flags.chunked_prefill_size, 64),
             enable_prefix_caching=caching))
         results = run_scenarios(engine)
         print(f"== prefix caching {'on' if caching else 'off'} ==")

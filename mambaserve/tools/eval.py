@@ -15,6 +15,7 @@ exact rational number after stripping "$", "," and a trailing ".".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -206,10 +207,10 @@ def _emit(result: dict, out: str | None) -> None:
 
 def cli_perplexity(a) -> int:
     from mambaserve import LLM
-    from mambaserve.cli import _engine_kwargs
+    from mambaserve.config import EngineConfig
 
     text = Path(a.file).read_text()
-    llm = LLM(a.model, **_engine_kwargs(a))
+    llm = LLM(a.model, **dataclasses.asdict(EngineConfig.from_cli(a)))
     result = perplexity(llm, text, window=a.window, max_tokens=a.max_tokens, use_tqdm=True,
                         model_name=_model_name(a))
     _emit(result, a.out)
@@ -220,10 +221,10 @@ def cli_perplexity(a) -> int:
 
 def cli_qa(a) -> int:
     from mambaserve import LLM
-    from mambaserve.cli import _engine_kwargs
+    from mambaserve.config import EngineConfig
 
     items = load_jsonl(a.file)
-    llm = LLM(a.model, **_engine_kwargs(a))
+    llm = LLM(a.model, **dataclasses.asdict(EngineConfig.from_cli(a)))
     result = run_qa(llm, items, shots=a.shots, max_tokens=a.max_tokens, limit=a.limit,
                     use_tqdm=True, model_name=_model_name(a))
     _emit(result, a.out)

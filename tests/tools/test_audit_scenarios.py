@@ -69,6 +69,12 @@ def test_cli_audit_syncs(tiny_ckpt, capsys):
         assert name in out
 
 
+def test_cli_audit_syncs_takes_the_engine_flags(tiny_ckpt, capsys):
+    # a budget too small for one state slot: the engine refuses it, so the flag reached it
+    assert main(["audit-syncs", "--model", str(tiny_ckpt), "--memory-budget-gb", "1e-6"]) == 2
+    assert "memory budget of 0.0 MiB is too small" in capsys.readouterr().err
+
+
 def test_cli_audit_syncs_fails_on_a_sync(tiny_ckpt, capsys, monkeypatch):
     original = Mamba2Mixer.forward
     monkeypatch.setattr(Mamba2Mixer, "forward", lambda self, x, *a: (
