@@ -47,11 +47,14 @@ class LLM:
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # validate everything first: a bad prompt queues nothing (and strings are tokenized once)
+        checked = []
         for p in prompts:
-            self.engine._prompt_ids(p)  # validate everything first: a bad prompt queues nothing
+            text, token_ids = self.engine.validate_prompt(p)
+            checked.append({"prompt": text, "prompt_token_ids": token_ids})
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
+            for p, sp in zip(checked, params):
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
                 self.engine.add_request(rid, p, sp)

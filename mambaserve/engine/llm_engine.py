@@ -16,6 +16,7 @@ from mambaserve.cache.radix_cache import PrefixCache
 from mambaserve.cache.state_pool import StatePool
 from mambaserve.config import EngineConfig, ModelConfig, resolve_dtype
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
+from mambaserve.engine.prompt import prompt_ids, validate_prompt_ids
 from mambaserve.engine.request import Request, Status
 from mambaserve.engine.runner import ModelRunner, RowResult
 from mambaserve.engine.sampling_params import SamplingParams
@@ -168,10 +169,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's limit is "
-                             f"{self.max_model_len} tokens including the output")
+        text, ids = self.validate_prompt(prompt)
         room = self.max_model_len - len(ids)
         max_total = len(ids) + min(params.max_tokens or room, room)
         children = []
@@ -189,28 +187,12 @@ class LLMEngine:
             self.requests[req.request_id] = req
         self._parents[request_id] = children
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            ids = prompt["prompt_token_ids"]
-            text = prompt.get("prompt")
-        elif isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: pass prompt_token_ids")
-            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, prompt
-        else:
-            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got "
-                             f"{type(prompt).__name__}")
-        if len(ids) == 0:
-            raise ValueError("empty prompt: it must contain at least one token")
-        V = self.model_config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {V})")
-        return text, list(ids)
+    def validate_prompt(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt this engine accepts; a PromptError (a
+        ValueError) names what is wrong otherwise. Queues nothing."""
+        text, ids = prompt_ids(prompt, self.tokenizer)
+        validate_prompt_ids(ids, self.model_config.vocab_size, self.max_model_len)
+        return text, ids
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its completions); frees its slot and pages. False if unknown."""
@@ -226,6 +208,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        """Sequences admitted to the running batch (every completion of an n > 1 request)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for admission."""
+        return len(self.scheduler.waiting)
+
+    def sequences_of(self, request_id: str) -> int:
+        """How many sequences the request holds in the engine (its n); 0 once its final output
+        was returned, or if the id is unknown."""
+        return len(self._parents.get(request_id, ()))
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids given to `add_request` whose final output has not been returned yet."""
+        return list(self._parents)
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

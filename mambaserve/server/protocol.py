@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from mambaserve.engine.prompt import PromptError, validate_prompt_ids
 from mambaserve.engine.sampling_params import SamplingParams
 
 MAX_N = 16  # completions per prompt
@@ -230,17 +231,11 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
 
 
 def _check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, param: str) -> None:
-    if not ids:
-        raise APIError("the prompt is empty: it must contain at least one token", param=param,
-                       code="empty_prompt")
-    if len(ids) >= max_model_len:
-        raise APIError(f"this model's maximum context length is {max_model_len} tokens, but the "
-                       f"prompt has {len(ids)} tokens (at least one more is needed for the "
-                       "output)", param=param, code="context_length_exceeded")
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise APIError(f"prompt token id {t} is outside the vocabulary [0, {vocab_size})",
-                           param=param, code="invalid_value")
+    """The engine's own prompt checks (same messages), as a 400 naming `param`."""
+    try:
+        validate_prompt_ids(ids, vocab_size, max_model_len)
+    except PromptError as e:
+        raise APIError(str(e), param=param, code=e.code) from None
 
 
 def _is_int(x) -> bool:

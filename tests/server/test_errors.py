@@ -109,6 +109,28 @@ def test_bad_input(server, path, body, status, param):
         assert err["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("path, body, engine_prompt, code", [
+    (CMPL, {"prompt": [[]]}, [], "empty_prompt"),
+    (CMPL, {"prompt": ""}, "", "empty_prompt"),
+    (CMPL, {"prompt": [5, 320]}, [5, 320], "invalid_value"),
+    (CMPL, {"prompt": [[5], [7] * 4096]}, [7] * 4096, "context_length_exceeded"),
+    (CHAT, {"messages": [{"role": "user", "content": LONG}]}, None, "context_length_exceeded"),
+])
+def test_prompt_errors_are_the_engines(server, offline, path, body, engine_prompt, code):
+    """The server refuses a prompt with the Python API's own message, and an OpenAI code."""
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    err = _check_error(r, 400, "prompt" if path == CMPL else "messages")
+    assert err["code"] == code
+    if engine_prompt is None:  # the chat template's text, as LLM.chat would build it
+        engine_prompt = server.engine.tokenizer.apply_chat_template(
+            body["messages"], add_generation_prompt=True)
+    if not isinstance(engine_prompt, str):
+        engine_prompt = {"prompt_token_ids": engine_prompt}
+    with pytest.raises(ValueError) as e:
+        offline.generate(engine_prompt)
+    assert str(e.value) == err["message"]
+
+
 def test_openai_client_raises_typed_errors(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError) as e:

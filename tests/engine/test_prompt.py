@@ -1,0 +1,58 @@
+"""mambaserve.engine.prompt: the prompt checks the Python API and the server share."""
+
+from __future__ import annotations
+
+import pytest
+
+from mambaserve.engine.prompt import PromptError, prompt_ids, validate_prompt_ids
+
+
+class _Chars:
+    """A stand-in tokenizer: one id per character."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("prompt, want", [
+    ("ab", ("ab", [97, 98])),
+    ("", ("", [])),  # refused later, by validate_prompt_ids
+    ([1, 2], (None, [1, 2])),
+    ((1, 2), (None, [1, 2])),
+    ({"prompt_token_ids": (3,)}, (None, [3])),
+    ({"prompt_token_ids": [3], "prompt": "c"}, ("c", [3])),
+])
+def test_prompt_shapes(prompt, want):
+    assert prompt_ids(prompt, _Chars()) == want
+
+
+@pytest.mark.parametrize("prompt, tokenizer, match", [
+    ({"text": "x"}, _Chars(), "a dict prompt needs 'prompt_token_ids'"),
+    ({"prompt_token_ids": "abc"}, _Chars(), "'prompt_token_ids' must be a list of token ids, "
+                                            "got str"),
+    ("ab", None, "no tokenizer.json: pass prompt_token_ids"),
+    (42, _Chars(), "a prompt is a string, a list of token ids or .* got int"),
+])
+def test_bad_prompt_shapes(prompt, tokenizer, match):
+    with pytest.raises(PromptError, match=match) as e:
+        prompt_ids(prompt, tokenizer)
+    assert e.value.code == "invalid_value" and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("ids, code, message", [
+    ([], "empty_prompt", "empty prompt: it must contain at least one token"),
+    ([1] * 8, "context_length_exceeded", "prompt has 8 tokens; the model's limit (maximum "
+     "context length) is 8 tokens including at least one output token"),
+    ([1, 10], "invalid_value", "prompt token id 10 is outside the vocabulary [0, 10)"),
+    ([-1], "invalid_value", "prompt token id -1 is outside the vocabulary [0, 10)"),
+    ([2.0], "invalid_value", "prompt token id 2.0 is outside the vocabulary [0, 10)"),
+    ([True], "invalid_value", "prompt token id True is outside the vocabulary [0, 10)"),
+])
+def test_one_message_and_code_per_problem(ids, code, message):
+    with pytest.raises(PromptError) as e:
+        validate_prompt_ids(ids, vocab_size=10, max_model_len=8)
+    assert (e.value.code, str(e.value)) == (code, message)
+
+
+def test_valid_ids_pass():
+    validate_prompt_ids([0, 9] + [5] * 5, vocab_size=10, max_model_len=8)  # 7 < 8: room for one
