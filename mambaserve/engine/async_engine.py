@@ -3,7 +3,8 @@
 The engine is not thread-safe, so exactly one thread (the loop started here) calls
 `add_request`, `step` and `abort_request`. Callers on any asyncio event loop talk to it through a
 command queue (add / abort) and get their outputs back on a per-request asyncio queue, filled
-with `loop.call_soon_threadsafe` (one call per event loop per step).
+with `loop.call_soon_threadsafe` (one call per event loop per step); the per-request stream and
+its metrics accounting live in `request_stream.py`.
 
     engine = AsyncEngine(LLMEngine(path, EngineConfig(...)), max_waiting=256)
     async for out in engine.generate("ROMEO:", SamplingParams(max_tokens=8), "req-1"):
@@ -19,6 +20,7 @@ admission, `EngineClosedError` after shutdown began, `EngineStepError` when a fo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -26,8 +28,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from mambaserve.config import ModelConfig
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.engine.outputs import RequestOutput
+from mambaserve.engine.request_stream import RequestStream, StreamState, deliver
 from mambaserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("mambaserve.async_engine")
@@ -46,21 +50,9 @@ class EngineStepError(RuntimeError):
 
 
 @dataclass
-class _Stream:
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float
-    num_prompt_tokens: int = -1  # known at the first output
-    num_tokens: int = 0  # generated so far, all completions together
-    last_token_time: float | None = None
-    done: bool = False
-
-
-@dataclass
 class _Add:
     items: list[tuple[str, object, SamplingParams]]
-    streams: list[_Stream]
+    streams: list[StreamState]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
 
@@ -73,8 +65,7 @@ class _Abort:
 @dataclass
 class _Call:
     fn: Callable
-    loop: asyncio.AbstractEventLoop | None
-    future: object  # asyncio.Future (with loop) or concurrent.futures.Future
+    future: concurrent.futures.Future | None  # None: nobody waits for the result
 
 
 @dataclass
@@ -91,39 +82,6 @@ class EngineSnapshot:
     step_errors: int = 0
     cache: dict = field(default_factory=dict)
     time: float = 0.0
-
-
-class RequestStream:
-    """Async iterator over one request's cumulative outputs. Outputs that pile up while the
-    consumer is busy are coalesced: the iterator yields the newest (they are cumulative)."""
-
-    def __init__(self, engine: AsyncEngine, stream: _Stream) -> None:
-        self._engine = engine
-        self._s = stream
-        self.request_id = stream.request_id
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        q = self._s.queue
-        item = await q.get()
-        while not isinstance(item, BaseException) and not item.finished and not q.empty():
-            item = q.get_nowait()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -149,7 +107,7 @@ class AsyncEngine:
         self.publish_interval_s = publish_interval_s
         self._cv = threading.Condition()
         self._commands: list[object] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StreamState] = {}
         self._accepting = True
         self._stop = False
         self._ids = itertools.count()
@@ -170,6 +128,15 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's normalized config (immutable: safe from any thread)."""
+        return self.engine.model_config
+
+    def memory_report(self) -> dict:
+        """State-pool and KV-pool sizes (fixed at start-up: safe from any thread)."""
+        return self.engine.memory_report()
 
     @property
     def is_running(self) -> bool:
@@ -195,7 +162,7 @@ class AsyncEngine:
         now = time.monotonic()
         fixed = [(rid if rid is not None else f"async-{next(self._ids)}", p, sp)
                  for rid, p, sp in items]
-        streams = [_Stream(rid, loop, asyncio.Queue(), now) for rid, _, _ in fixed]
+        streams = [StreamState(rid, loop, asyncio.Queue(), now) for rid, _, _ in fixed]
         fut = loop.create_future()
         self._submit(_Add(fixed, streams, loop, fut))
         try:
@@ -205,7 +172,7 @@ class AsyncEngine:
             for s in streams:
                 self.abort(s.request_id)
             raise
-        return [RequestStream(self, s) for s in streams]
+        return [RequestStream(s, self.abort) for s in streams]
 
     async def generate(self, prompt, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -224,20 +191,12 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
             self._cv.notify()
 
-    async def call(self, fn: Callable[[LLMEngine], object]):
-        """Run `fn(engine)` on the engine thread between steps and return its result (for
-        inspection in tests and tools: the engine must not be touched from other threads)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._submit(_Call(fn, loop, fut), check_open=False)
-        return await fut
-
     def call_sync(self, fn: Callable[[LLMEngine], object], timeout: float | None = 30.0):
-        """`call` for plain threads: blocks until the engine thread ran `fn(engine)`."""
-        import concurrent.futures
-
+        """Run `fn(engine)` on the engine thread between steps and return its result, blocking
+        until it ran (for inspection in tests and tools: the engine must not be touched from
+        other threads). Not for use from the event loop's thread."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(fn, None, fut), check_open=False)
+        self._submit(_Call(fn, fut), check_open=False)
         return fut.result(timeout)
 
     def shutdown(self, drain: bool = True, timeout: float | None = 60.0) -> bool:
@@ -247,7 +206,7 @@ class AsyncEngine:
         with self._cv:
             self._accepting = False
             if not drain:
-                self._commands.append(_Call(lambda e: self._abort_all(), None, None))
+                self._commands.append(_Call(lambda e: self._abort_all(), None))
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout if drain else 10.0)
@@ -255,7 +214,7 @@ class AsyncEngine:
             logger.warning("drain did not finish in %.0f s: aborting %d request(s)", timeout,
                            len(self._streams))
             with self._cv:
-                self._commands.append(_Call(lambda e: self._abort_all(), None, None))
+                self._commands.append(_Call(lambda e: self._abort_all(), None))
                 self._cv.notify()
             self._thread.join(10.0)
         return not self._thread.is_alive()
@@ -314,14 +273,14 @@ class AsyncEngine:
         if not self._accepting:
             return _resolve(cmd.loop, cmd.future, EngineClosedError(
                 "the engine is shutting down and takes no new requests"))
-        sched = self.engine.scheduler
+        e = self.engine
         if self.max_waiting is not None:
             need = sum(sp.n for _, _, sp in cmd.items)
-            seats = max(0, sched.max_num_seqs - len(sched.running))
-            if len(sched.waiting) + need - seats > self.max_waiting:
+            seats = max(0, e.config.max_num_seqs - e.num_running)
+            if e.num_waiting + need - seats > self.max_waiting:
                 self._observe("on_rejected")
                 return _resolve(cmd.loop, cmd.future, QueueFullError(
-                    f"too many requests waiting ({len(sched.waiting)} sequences queued, limit "
+                    f"too many requests waiting ({e.num_waiting} sequences queued, limit "
                     f"{self.max_waiting}); retry later"))
         added: list[str] = []
         try:
@@ -341,7 +300,7 @@ class AsyncEngine:
 
     def _handle_abort(self, rid: str) -> None:
         s = self._streams.pop(rid, None)
-        n = len(self.engine._parents.get(rid, ()))  # sequences still held
+        n = self.engine.sequences_of(rid)  # sequences still held
         if self.engine.abort_request(rid) and s is not None:
             self._observe("on_aborted", n)
 
@@ -352,13 +311,10 @@ class AsyncEngine:
             result, err = None, e
         if cmd.future is None:
             return
-        if cmd.loop is None:
-            if err is None:
-                cmd.future.set_result(result)
-            else:
-                cmd.future.set_exception(err)
+        if err is None:
+            cmd.future.set_result(result)
         else:
-            _resolve(cmd.loop, cmd.future, err, result)
+            cmd.future.set_exception(err)
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -384,30 +340,18 @@ class AsyncEngine:
                     "slow engine step: %.2f s for a %s step (%d prefill tokens, %d decode rows); "
                     "the first steps of new batch shapes may include Triton JIT compiles",
                     now - t0, kind, prefill_tokens, decode_rows)
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        items = []
         for out in outputs:
             s = self._streams.get(out.request_id)
             if s is None:
                 continue
-            self._account(s, out, now)
-            batches.setdefault(s.loop, []).append((s.queue, out))
+            s.account(out, now, self._observe)
+            items.append((s, out))
             if out.finished:
-                s.done = True
                 del self._streams[out.request_id]
-        for loop, items in batches.items():
-            self._deliver(loop, items)
-
-    def _account(self, s: _Stream, out: RequestOutput, now: float) -> None:
-        n = sum(len(c.token_ids) for c in out.outputs)
-        if n > s.num_tokens:
-            if s.last_token_time is None:
-                self._observe("on_first_token", now - s.arrival)
-                self._observe("on_prompt", len(out.prompt_token_ids))
-            else:
-                self._observe("on_tokens", n - s.num_tokens, now - s.last_token_time)
-            s.num_tokens, s.last_token_time = n, now
-        if out.finished:
-            self._observe("on_finished", out, now - s.arrival)
+        for s in deliver(items):  # their event loop is closed: nobody will read these
+            if self._streams.pop(s.request_id, None) is not None:
+                self.engine.abort_request(s.request_id)
 
     def _observe(self, name: str, *args) -> None:
         if self.observer is not None:
@@ -415,14 +359,6 @@ class AsyncEngine:
                 getattr(self.observer, name)(*args)
             except Exception:
                 logger.exception("metrics observer %s failed", name)
-
-    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # that event loop is closed: nobody will read these
-            for _, out in items:
-                if self._streams.pop(out.request_id, None) is not None:
-                    self.engine.abort_request(out.request_id)
 
     def _fail_all(self, err: BaseException) -> None:
         streams, self._streams = list(self._streams.values()), {}
@@ -432,21 +368,14 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", s.request_id)
         self._observe("on_error", len(streams))
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for s in streams:
-            batches.setdefault(s.loop, []).append((s.queue, err))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+        deliver([(s, err) for s in streams])
         # anything left in the engine without a stream (should not happen) goes too
-        for rid in list(self.engine._parents):
+        for rid in self.engine.unfinished_request_ids():
             self.engine.abort_request(rid)
 
     def _abort_all(self) -> None:
         """Abort every request in flight; each stream ends with finish_reason "abort"."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        items = []
         for rid, s in list(self._streams.items()):
             out = self.engine.output_of(rid)
             for c in out.outputs:
@@ -455,13 +384,9 @@ class AsyncEngine:
             out.finished = True
             self.engine.abort_request(rid)
             self._observe("on_aborted", len(out.outputs))
-            batches.setdefault(s.loop, []).append((s.queue, out))
+            items.append((s, out))
         self._streams.clear()
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+        deliver(items)
 
     def _publish(self) -> None:
         e = self.engine
@@ -475,7 +400,7 @@ class AsyncEngine:
                 cache = {}
             self._cache_time = now
         self.snapshot = EngineSnapshot(
-            running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
+            running=e.num_running, waiting=e.num_waiting,
             state_slots_total=e.state_pool.num_slots, state_slots_free=e.state_pool.num_free,
             kv_pages_total=e.kv_pool.num_pages, kv_pages_free=e.kv_pool.num_free,
             steps=e.stats.get("steps", 0), step_errors=self.step_errors, cache=cache,
@@ -483,20 +408,16 @@ class AsyncEngine:
         self._last_publish = now
 
 
-def _put_all(items: list) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, err: BaseException | None,
-             result: object = None) -> None:
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future,
+             err: BaseException | None) -> None:
+    """Settle an add command's future on its caller's loop: accepted (None) or refused."""
     def done() -> None:
         if fut.done():
             return
         if err is not None:
             fut.set_exception(err)
         else:
-            fut.set_result(result)
+            fut.set_result(None)
 
     try:
         loop.call_soon_threadsafe(done)

@@ -66,7 +66,7 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
     names = {model_name, *aliases}
     serving = OpenAIServing(engine, model_name)
     created = int(time.time())
-    vocab = engine.engine.model_config.vocab_size
+    vocab = engine.model_config.vocab_size
 
     @asynccontextmanager
     async def lifespan(app):

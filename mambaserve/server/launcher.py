@@ -44,7 +44,7 @@ def serve(model: str | Path | None, host: str = "127.0.0.1", port: int = 8000, *
     t0 = time.perf_counter()
     app, engine = build_app(model, served_model_name=served_model_name, max_waiting=max_waiting,
                             drain_timeout=drain_timeout, **engine_kwargs)
-    mem = engine.engine.memory_report()
+    mem = engine.memory_report()
     if isinstance(logging.getLevelName(log_level.upper()), int):  # uvicorn also has "trace"
         logging.getLogger("mambaserve").setLevel(log_level.upper())
     logger.info("model loaded in %.1f s: %d state slots, %d KV pages; serving it as %r",

@@ -32,7 +32,7 @@ class Served:
     def pools(self) -> dict:
         """Running / waiting sequences and free slots / pages, read on the engine thread."""
         def read(e):
-            return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+            return {"running": e.num_running, "waiting": e.num_waiting,
                     "free_slots": e.state_pool.num_free, "slots": e.state_pool.num_slots,
                     "free_pages": e.kv_pool.num_free, "pages": e.kv_pool.num_pages,
                     "requests": len(e.requests)}

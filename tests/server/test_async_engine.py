@@ -216,3 +216,43 @@ def test_step_observer_sees_each_kind_and_slow_steps_are_logged(tiny_ckpt, caplo
     assert "mixed" in kinds or eng.engine.stats["mixed_steps"] == 0
     assert any("slow engine step" in r.getMessage() and "prefill tokens" in r.getMessage()
                for r in caplog.records)
+
+
+def test_engine_accessors_count_sequences(tiny_ckpt):
+    """LLMEngine's read-only views (what AsyncEngine and the server read) through one request
+    of n=2 and one of n=1 on a 2-seat engine."""
+    eng = make_engine(tiny_ckpt, 2)
+    assert (eng.num_running, eng.num_waiting, eng.unfinished_request_ids()) == (0, 0, [])
+    eng.add_request("pair", [5, 6], SamplingParams(n=2, temperature=0.0, max_tokens=3))
+    eng.add_request("one", [7], SamplingParams(temperature=0.0, max_tokens=3))
+    assert (eng.num_running, eng.num_waiting) == (0, 3)
+    assert eng.sequences_of("pair") == 2 and eng.sequences_of("one") == 1
+    assert eng.sequences_of("nope") == 0
+    assert eng.unfinished_request_ids() == ["pair", "one"]
+    eng.step()
+    assert (eng.num_running, eng.num_waiting) == (2, 1)  # both seats taken by the pair
+    assert eng.abort_request("one")
+    assert eng.num_waiting == 0 and eng.unfinished_request_ids() == ["pair"]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert (eng.num_running, eng.sequences_of("pair"), eng.unfinished_request_ids()) == (0, 0, [])
+
+
+def test_async_engine_exposes_config_and_memory(aengine):
+    assert aengine.model_config is aengine.engine.model_config
+    assert aengine.max_model_len == aengine.model_config.max_position_embeddings
+    mem = aengine.memory_report()
+    assert mem["state_slots"] == 4 and mem["kv_pages"] >= 1
+    assert mem["kv_bytes"] + mem["state_bytes"] <= BUDGET
+
+
+def test_prompt_errors_have_one_message(tiny_ckpt, aengine):
+    """LLMEngine.validate_prompt: the checks of add_request, without queuing anything."""
+    eng = aengine.engine
+    assert eng.validate_prompt({"prompt_token_ids": [5, 6], "prompt": "hi"}) == ("hi", [5, 6])
+    assert eng.validate_prompt("ab") == ("ab", eng.tokenizer.encode("ab"))
+    too_long = [5] * aengine.max_model_len
+    with pytest.raises(ValueError, match=r"prompt has 4096 tokens; the model's limit \(maximum "
+                                         r"context length\) is 4096 tokens"):
+        eng.validate_prompt(too_long)
+    assert idle(aengine)
