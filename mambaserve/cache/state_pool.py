@@ -8,7 +8,7 @@ Invariants
 | scratch slot             | target of negative (padding) slots; never allocated, never read  |
 |                          | as a real state                                                 |
 | a free slot's contents   | garbage; a new request starts with has_initial_state = False    |
-| restore / snapshot       | one indexed copy over all layers (`copy_slots`)                 |
+| restore / snapshot       | written inside the forward (ops/state_snapshot.py)              |
 """
 
 from __future__ import annotations
@@ -58,8 +58,3 @@ class StatePool:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise RuntimeError(f"freeing slot {slot} that is not allocated")
         self._free.append(slot)
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole states (all layers) from slots `src` to slots `dst` (device index tensors)."""
-        self.conv_state.index_copy_(1, dst, self.conv_state.index_select(1, src))
-        self.ssm_state.index_copy_(1, dst, self.ssm_state.index_select(1, src))

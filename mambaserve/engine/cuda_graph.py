@@ -4,13 +4,14 @@ captured once per batch-size bucket and replayed for decode-only batches.
 Design (docs/cuda_graphs.md):
 - ONE static int64 device buffer holds every index array of a decode forward at `max_bs` rows.
   Layout: per-row fields (input_ids, positions, token_row, state_slots, slot_mapping,
-  decode_snap_dst, logits_idx, sample_idx), each `max_bs` long, then the page table
+  decode_snap_dst, logits_idx), each `max_bs` long, then the page table
   `[max_bs, max_pages]` LAST, so that everything bucket `bs` reads is one contiguous prefix
   (`StaticLayout.prefix_len(bs)`): a replay uploads exactly that prefix with ONE host-to-device
-  copy, as `build_metadata` does.
+  copy (`host_upload.copy_into`). The sampling parameters are uploaded by the runner, as for an
+  eager step: every decode row samples its one logit row, in batch order.
 - The captured `ForwardMetadata` of bucket `bs` holds views SLICED `[:bs]` of the static buffer
   (never the whole max-size field, whose stale tail a kernel would see) and fixed host ints:
-  num_decodes = bs, num_prefills = 0, max_kv_len = max_model_len rounded up to whole pages (one
+  num_decodes = bs, no prefill part, max_kv_len = max_model_len rounded up to whole pages (one
   graph serves every length; attention masks by each token's position).
 - Padding rows (real batch size < bucket): state slot -1 (kernels skip it, references route it
   to the scratch slot), KV slot and page-table row -> the scratch page, position 0, token 0,
@@ -27,19 +28,20 @@ padding, slicing and the engine routing are exercised; only capture/replay needs
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from mambaserve.metadata import BatchPlan, ForwardMetadata
+from mambaserve.engine.batch import Batch, Row
+from mambaserve.host_upload import copy_into
+from mambaserve.metadata import ForwardMetadata
 
 logger = logging.getLogger("mambaserve")
 
 ROW_FIELDS = ("input_ids", "positions", "token_row", "state_slots", "slot_mapping",
-              "decode_snap_dst", "logits_idx", "sample_idx")
+              "decode_snap_dst", "logits_idx")
 
 
 def bucket_sizes(max_bs: int, step: int = 8) -> list[int]:
@@ -89,15 +91,15 @@ class StaticLayout:
         return len(ROW_FIELDS) * self.max_bs + bs * self.max_pages
 
 
-def pack_decode_batch(plan: BatchPlan, bs: int, layout: StaticLayout, *, page_size: int,
-                      scratch_page: int, sample_rows: list[int] | None = None) -> np.ndarray:
+def pack_decode_batch(batch: Batch, bs: int, layout: StaticLayout, *, page_size: int,
+                      scratch_page: int) -> np.ndarray:
     """Host array of `layout.prefix_len(bs)` int64 with the real decode rows first and padding
     rows up to `bs`. Raises AssertionError for a batch with prefill rows (mixed batches run
     eagerly: their decode rows sit at the END of the eager layout, here at the FRONT)."""
-    assert not plan.prefills, (
-        f"CUDA-graph path got a batch with {len(plan.prefills)} prefill row(s): only decode-only "
+    assert not batch.prefills, (
+        f"CUDA-graph path got a batch with {len(batch.prefills)} prefill row(s): only decode-only "
         "batches may be replayed (num_decodes must equal the batch size)")
-    n = len(plan.decodes)
+    n = len(batch.decodes)
     assert 0 < n <= bs <= layout.max_bs, f"batch of {n} rows does not fit bucket {bs}"
     mb, mp = layout.max_bs, layout.max_pages
     buf = np.zeros(layout.prefix_len(bs), dtype=np.int64)
@@ -109,8 +111,7 @@ def pack_decode_batch(plan: BatchPlan, bs: int, layout: StaticLayout, *, page_si
     scratch_slot = scratch_page * page_size
     ids, pos, row, slots = field("input_ids"), field("positions"), field("token_row"), \
         field("state_slots")
-    smap, snap, lidx, sidx = field("slot_mapping"), field("decode_snap_dst"), \
-        field("logits_idx"), field("sample_idx")
+    smap, snap, lidx = field("slot_mapping"), field("decode_snap_dst"), field("logits_idx")
     table = buf[layout.offset("page_table"):].reshape(bs, mp)
     # padding everywhere first: slot -1, scratch KV slot / page, position 0, token 0, snapshot -1
     slots[:] = -1
@@ -119,7 +120,7 @@ def pack_decode_batch(plan: BatchPlan, bs: int, layout: StaticLayout, *, page_si
     table[:] = scratch_page
     row[:] = np.arange(mb)
     lidx[:] = np.arange(mb)
-    for i, r in enumerate(plan.decodes):
+    for i, r in enumerate(batch.decodes):
         if r.num_tokens != 1:
             raise ValueError("decode rows carry exactly one token")
         if len(r.pages) > mp:
@@ -135,17 +136,11 @@ def pack_decode_batch(plan: BatchPlan, bs: int, layout: StaticLayout, *, page_si
         table[i, : len(r.pages)] = r.pages
         smap[i] = table[i, p // page_size] * page_size + p % page_size
         snap[i] = r.snapshots[0][1] if r.snapshots else -1
-    rows = list(range(n)) if sample_rows is None else list(sample_rows)
-    sidx[: len(rows)] = rows
     return buf
 
 
-def _empty(device, *shape, dtype=torch.int64) -> torch.Tensor:
-    return torch.zeros(*shape, dtype=dtype, device=device)
-
-
 def graph_metadata(buf: torch.Tensor, layout: StaticLayout, bs: int, *, max_kv_len: int,
-                   conv_kernel: int, chunk_size: int, snapshots: bool) -> ForwardMetadata:
+                   snapshots: bool) -> ForwardMetadata:
     """Metadata of bucket `bs`: views [:bs] of the static buffer, fixed host ints."""
     mb = layout.max_bs
 
@@ -155,21 +150,10 @@ def graph_metadata(buf: torch.Tensor, layout: StaticLayout, bs: int, *, max_kv_l
 
     o = layout.offset("page_table")
     page_table = buf[o: o + mb * layout.max_pages].view(mb, layout.max_pages)[:bs]
-    dev, K1 = buf.device, conv_kernel - 1
     return ForwardMetadata(
-        num_prefills=0, num_prefill_tokens=0, num_decodes=bs, num_tokens=bs, num_chunks=0,
-        max_kv_len=max_kv_len, num_logits=bs,
-        input_ids=view("input_ids"), positions=view("positions"), token_row=view("token_row"),
-        state_slots=view("state_slots"),
-        has_initial_state=_empty(dev, 0, dtype=torch.bool),
-        conv_window_idx=_empty(dev, 0, conv_kernel), conv_state_idx=_empty(dev, 0, K1),
-        chunk_token_idx=_empty(dev, 0, chunk_size), token_chunk_pos=_empty(dev, 0),
-        row_chunks=_empty(dev, 0, 0), row_num_chunks=_empty(dev, 0),
-        page_table=page_table, slot_mapping=view("slot_mapping"), logits_idx=view("logits_idx"),
-        num_prefill_snapshots=0, num_decode_snapshots=bs if snapshots else 0, num_restores=0,
-        snap_chunk=_empty(dev, 0), snap_conv_idx=_empty(dev, 0, K1), snap_dst=_empty(dev, 0),
-        decode_snap_dst=view("decode_snap_dst"), cow_src=_empty(dev, 0), cow_dst=_empty(dev, 0),
-    )
+        num_tokens=bs, num_decodes=bs, max_kv_len=max_kv_len,
+        num_decode_snapshots=bs if snapshots else 0,
+        **{name: view(name) for name in ROW_FIELDS}, page_table=page_table)
 
 
 def attention_workspace_bytes(cfg, bs: int, max_kv_len: int) -> int:
@@ -213,20 +197,19 @@ class CudaGraphRunner:
         self.logits = torch.zeros(max(self.max_bs, 1), cfg.vocab_size, dtype=torch.float32,
                                   device=self.device)
         self.metas = {b: graph_metadata(self.buf, self.layout, b, max_kv_len=self.max_kv_len,
-                                        conv_kernel=cfg.conv_kernel, chunk_size=cfg.chunk_size,
                                         snapshots=snapshots) for b in self.buckets}
         self.capture_enabled = capture and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     # ---- routing ----------------------------------------------------------------------------
-    def can_run(self, plan: BatchPlan, num_prompt_targets: int = 0) -> bool:
+    def can_run(self, batch: Batch) -> bool:
         """Decode-only, fits a bucket, no prompt logprobs / restores, snapshots only if captured."""
-        if plan.prefills or not plan.decodes or len(plan.decodes) > self.max_bs:
+        if batch.prefills or not batch.decodes or len(batch.decodes) > self.max_bs:
             return False
-        if num_prompt_targets:
-            return False
-        for r in plan.decodes:
+        for r in batch.decodes:
             if r.restore_from >= 0 or len(r.pages) > self.max_pages or r.num_tokens != 1:
+                return False
+            if r.prompt_targets or not r.samples:
                 return False
             if r.snapshots and not self.snapshots:
                 return False
@@ -238,15 +221,10 @@ class CudaGraphRunner:
                          self.kv_pool.kv_cache)
         self.logits[:bs].copy_(out)
 
-    def _load(self, plan: BatchPlan, bs: int, sample_rows: list[int] | None) -> None:
-        host = torch.from_numpy(pack_decode_batch(
-            plan, bs, self.layout, page_size=self.page_size, scratch_page=self.scratch_page,
-            sample_rows=sample_rows))
-        dst = self.buf[: host.numel()]
-        if self.device.type == "cuda":
-            dst.copy_(host.pin_memory(), non_blocking=True)  # the one upload of the step
-        else:
-            dst.copy_(host)
+    def _load(self, batch: Batch, bs: int) -> None:
+        """The step's one upload: the bucket's prefix of the static buffer."""
+        copy_into(pack_decode_batch(batch, bs, self.layout, page_size=self.page_size,
+                                    scratch_page=self.scratch_page), self.buf)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -254,13 +232,10 @@ class CudaGraphRunner:
         all padding rows: they touch only the scratch state slot and the scratch KV page."""
         if not self.capture_enabled:
             return
-        from mambaserve.metadata import RowPlan
-
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         for bs in reversed(self.buckets):
-            pad = BatchPlan([], [RowPlan([0], 0, -1, True, [])])
-            self._load(pad, bs, [])
+            self._load(Batch([], [Row.standalone([0], 0, -1, True, [])]), bs)
             torch.cuda.synchronize(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: Triton compile/autotune, allocator
@@ -277,22 +252,21 @@ class CudaGraphRunner:
                     self.buckets, self.max_kv_len)
 
     # ---- replay -----------------------------------------------------------------------------
-    def run(self, plan: BatchPlan, sample_rows: list[int]) -> tuple[ForwardMetadata, torch.Tensor]:
-        """Upload the batch, replay (or run) bucket's forward; returns (metadata whose
-        extra['sample_logit_idx'] indexes the returned logits, logits [n, vocab])."""
-        assert plan.prefills == [] and len(plan.decodes) > 0, (
+    def load(self, batch: Batch) -> ForwardMetadata:
+        """Upload a decode-only batch into its bucket's static inputs; returns that bucket's
+        metadata (rows past the batch are padding)."""
+        assert not batch.prefills and batch.decodes, (
             "CUDA-graph path needs a decode-only batch (num_decodes == batch size)")
-        n = len(plan.decodes)
+        bs = choose_bucket(self.buckets, len(batch.decodes))
+        self._load(batch, bs)
+        return self.metas[bs]
+
+    def replay(self, n: int) -> torch.Tensor:
+        """Replay (or, uncaptured, run) the forward of the bucket holding `n` rows, after `load`;
+        returns the logits of the n real rows [n, vocab], in batch order."""
         bs = choose_bucket(self.buckets, n)
-        self._load(plan, bs, sample_rows)
         if bs in self.graphs:
             self.graphs[bs].replay()
         else:
             self._forward(bs)
-        meta = self.metas[bs]
-        o = self.layout.offset("sample_idx")
-        empty = self.buf[:0]
-        meta = dataclasses.replace(meta, extra={
-            "sample_logit_idx": self.buf[o: o + len(sample_rows)],
-            "prompt_targets": empty, "prompt_logit_idx": empty})
-        return meta, self.logits[:n]
+        return self.logits[:n]

@@ -1,5 +1,6 @@
-"""LLMEngine: owns the model, the pools, the scheduler and the runner; `step()` advances every
-running request by one forward and returns the outputs that changed."""
+"""LLMEngine: owns the model, the pools, the scheduler and the runner, and orchestrates a step:
+`scheduler.schedule()` -> `runner.execute(batch)` -> `scheduler.update(batch, results)`; returns
+the outputs that changed. The bookkeeping itself lives in the scheduler."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from mambaserve.config import EngineConfig, ModelConfig, resolve_dtype
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
 from mambaserve.engine.prompt import prompt_ids, validate_prompt_ids
 from mambaserve.engine.request import Request, Status
-from mambaserve.engine.runner import ModelRunner, RowResult
+from mambaserve.engine.batch import Batch
+from mambaserve.engine.runner import ModelRunner
 from mambaserve.engine.sampling_params import SamplingParams
-from mambaserve.engine.scheduler import ScheduledBatch, Scheduler
+from mambaserve.engine.scheduler import Scheduler
 from mambaserve.engine.snapshot_policy import SnapshotPolicy
+from mambaserve.engine.stop_checker import StopChecker
 from mambaserve.engine.tokenizer import Tokenizer
 from mambaserve.models.loader import load_model
 
@@ -50,6 +53,7 @@ class LLMEngine:
             if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.state_pool, self.kv_pool, config.max_num_seqs, config.chunked_prefill_size,
+            StopChecker(self.tokenizer, set(self.model_config.eos_token_ids)),
             SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None)
         self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
         eager = config.enforce_eager if config.enforce_eager is not None \
@@ -236,68 +240,19 @@ class LLMEngine:
             return []
         results = self.runner.execute(batch)
         self._record_stats(batch)
-        touched: dict[str, None] = {}
-        policy = self.scheduler.policy
-        for row, res in zip(batch.rows, results):
-            if policy is not None:
-                policy.after_forward(row.request)
-            self._apply(row.request, row.num_tokens, res)
-            touched[row.request.parent_id] = None
+        self.scheduler.update(batch, results)
+        touched = dict.fromkeys(row.request.parent_id for row in batch.rows)
         return [self.output_of(pid) for pid in touched]
 
-    def _record_stats(self, batch: ScheduledBatch) -> None:
-        kind = "mixed" if batch.prefills and batch.decodes else \
-            "prefill" if batch.prefills else "decode"
-        self.last_step = (kind, sum(r.num_tokens for r in batch.prefills), len(batch.decodes))
+    def _record_stats(self, batch: Batch) -> None:
+        self.last_step = (batch.kind, batch.num_prefill_tokens, len(batch.decodes))
         s = self.stats
         s["steps"] += 1
         s["prefill_rows"] += len(batch.prefills)
         s["decode_rows"] += len(batch.decodes)
-        s["mixed_steps"] += bool(batch.prefills and batch.decodes)
+        s["mixed_steps"] += batch.kind == "mixed"
         s["chunked_prefills"] += sum(
             1 for r in batch.prefills if r.start > 0 or r.start + r.num_tokens < r.request.prompt_len)
-
-    def _apply(self, req: Request, num_tokens: int, res: RowResult) -> None:
-        req.num_computed += num_tokens
-        if res.prompt_logprobs:
-            req.prompt_logprobs.extend(res.prompt_logprobs)
-        if res.token_id is None:
-            return
-        req.output_token_ids.append(res.token_id)
-        req.cumulative_logprob += res.logprob
-        if res.top_logprobs is not None:
-            req.output_logprobs.append(res.top_logprobs)
-        self._check_finished(req, res.token_id)
-
-    def _check_finished(self, req: Request, token: int) -> None:
-        p = req.params
-        n_out = len(req.output_token_ids)
-        if self.tokenizer is not None:
-            prev = len(req.output_text)
-            req.output_text = self.tokenizer.decode(req.output_token_ids, p.skip_special_tokens)
-            if p.stop_list and n_out >= p.min_tokens:
-                for stop in p.stop_list:
-                    at = req.output_text.find(stop, max(0, prev - len(stop) + 1))
-                    if at >= 0:
-                        end = at + len(stop) if p.include_stop_str_in_output else at
-                        req.output_text = req.output_text[:end]
-                        self.scheduler.finish(req, "stop", stop)
-                        return
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self._eos_ids():
-                self.scheduler.finish(req, "stop", None)
-                return
-            if p.stop_token_ids and token in p.stop_token_ids:
-                self.scheduler.finish(req, "stop", token)
-                return
-        if req.prompt_len + n_out >= req.max_total_len:
-            self.scheduler.finish(req, "length")
-
-    def _eos_ids(self) -> set[int]:
-        ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def output_of(self, parent_id: str) -> RequestOutput:
         children = self._parents[parent_id]

@@ -39,7 +39,6 @@ class Request:
     parent_id: str | None = None
     # prefix cache (see engine/snapshot_policy.py)
     cache_path: list = field(default_factory=list)  # matched tree nodes, locked while running
-    restore_from: int = -1  # cached snapshot slot to copy into the live slot before prefill
     # snapshots handed to the tree as soon as their forward ran: position -> slot (-1 = not
     # reserved yet); the divergence point and the prompt's last block end
     tree_snapshots: dict = field(default_factory=dict)

@@ -1,4 +1,6 @@
-"""Continuous batching with chunked prefill under a per-step token budget.
+"""Continuous batching with chunked prefill under a per-step token budget, and the step's
+bookkeeping: `schedule()` builds the step's `Batch`, `update(batch, results)` applies what the
+forward produced (tokens, stops, releases, snapshots handed to the prefix cache).
 
 Each step takes every running decode (one token each), then continues partially prefilled
 requests, then admits waiting requests first-come-first-served while a state slot, the KV pages
@@ -14,46 +16,21 @@ few attention layers make pages cheap next to the Mamba state slot every request
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.state_pool import StatePool
+from mambaserve.engine.batch import Batch, Row, RowResult
 from mambaserve.engine.request import Request, Status
 from mambaserve.engine.snapshot_policy import SnapshotPolicy
-
-
-@dataclass
-class ScheduledRow:
-    request: Request
-    start: int  # first token (index into request.all_token_ids) fed in this forward
-    num_tokens: int
-    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, slot)
-    restore_from: int = -1  # cached snapshot slot copied into the live slot first
-
-    @property
-    def samples(self) -> bool:
-        """This row produces a new token (it reaches the end of the known tokens)."""
-        return self.start + self.num_tokens == len(self.request.all_token_ids)
-
-
-@dataclass
-class ScheduledBatch:
-    prefills: list[ScheduledRow]
-    decodes: list[ScheduledRow]
-
-    @property
-    def rows(self) -> list[ScheduledRow]:
-        return self.prefills + self.decodes
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+from mambaserve.engine.stop_checker import StopChecker
 
 
 class Scheduler:
     def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_num_seqs: int,
-                 token_budget: int, policy: SnapshotPolicy | None = None) -> None:
+                 token_budget: int, stop_checker: StopChecker,
+                 policy: SnapshotPolicy | None = None) -> None:
         self.state_pool, self.kv_pool, self.policy = state_pool, kv_pool, policy
+        self.stop_checker = stop_checker
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -74,53 +51,73 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self) -> Batch | None:
         budget = self.token_budget
-        decodes = [ScheduledRow(r, len(r.all_token_ids) - 1, 1)
-                   for r in self.running if r.prefill_done]
+        decodes = [Row(r, len(r.all_token_ids) - 1, 1) for r in self.running if r.prefill_done]
         budget -= len(decodes)
-        prefills: list[ScheduledRow] = []
+        prefills: list[Row] = []
         for r in self.running:
             if budget <= 0:
                 break
             if not r.prefill_done:
                 n = min(r.prompt_len - r.num_computed, budget)
-                prefills.append(ScheduledRow(r, r.num_computed, n))
+                prefills.append(Row(r, r.num_computed, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self._admit(req):
+            restore_from = self._admit(req)
+            if restore_from is None:
                 break
             self.waiting.popleft()
             self.running.append(req)
             n = min(req.prompt_len - req.num_computed, budget)
-            prefills.append(ScheduledRow(req, req.num_computed, n))
+            prefills.append(Row(req, req.num_computed, n, restore_from=restore_from))
             budget -= n
         if not prefills and not decodes:
             return None
         if self.policy is not None:
             for row in prefills + decodes:
-                req = row.request
-                row.snapshots = self.policy.snapshots_for(req, row.start, row.num_tokens,
-                                                          is_decode=req.prefill_done)
-                row.restore_from, req.restore_from = req.restore_from, -1
-        return ScheduledBatch(prefills, decodes)
+                row.snapshots = self.policy.snapshots_for(
+                    row.request, row.start, row.num_tokens, is_decode=row.request.prefill_done)
+        return Batch(prefills, decodes)
 
-    def _admit(self, req: Request) -> bool:
+    def _admit(self, req: Request) -> int | None:
+        """Allocate the request's slot and pages (evicting cached prefixes if needed). Returns
+        the cached snapshot slot its first forward restores (-1: none), None if it must wait."""
         path, hit_len = self.policy.match(req) if self.policy else ([], 0)
-        shared = self.policy.pages_shared(path, hit_len) if self.policy else 0
+        shared = self.policy.pages_shared(hit_len) if self.policy else 0
         need = self.pages_needed(req) - shared
         if self.state_pool.num_free == 0 or self.kv_pool.num_free < need:
             if self.policy is None or not self.policy.make_room(path, 1, need):
-                return False
+                return None
         req.state_slot = self.state_pool.allocate()
         pages = self.kv_pool.allocate(need)
-        if self.policy is not None:
-            self.policy.admit(req, path, hit_len, pages)
-        else:
-            req.pages = pages
         req.status = Status.RUNNING
-        return True
+        if self.policy is None:
+            req.pages = pages
+            return -1
+        return self.policy.admit(req, path, hit_len, pages)
+
+    def update(self, batch: Batch, results: list[RowResult]) -> None:
+        """Apply a step's results: computed tokens, prompt logprobs, sampled tokens; snapshots
+        written by the forward go to the prefix cache; finished requests give back their slot
+        and pages."""
+        for row, res in zip(batch.rows, results):
+            req = row.request
+            if self.policy is not None:
+                self.policy.after_forward(req)
+            req.num_computed += row.num_tokens
+            if res.prompt_logprobs:
+                req.prompt_logprobs.extend(res.prompt_logprobs)
+            if res.token_id is None:
+                continue
+            req.output_token_ids.append(res.token_id)
+            req.cumulative_logprob += res.logprob
+            if res.top_logprobs is not None:
+                req.output_logprobs.append(res.top_logprobs)
+            stop = self.stop_checker.check(req)
+            if stop is not None:
+                self.finish(req, *stop)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished and give back everything the request held."""

@@ -42,8 +42,9 @@ class SnapshotPolicy:
             return m.path, 0
         return m.path, m.hit_depth * self.interval
 
-    def admit(self, req: Request, path: list[Node], hit_len: int, new_pages: list[int]) -> None:
-        """Called once the live slot and the new pages are allocated."""
+    def admit(self, req: Request, path: list[Node], hit_len: int, new_pages: list[int]) -> int:
+        """Called once the live slot and the new pages are allocated. Returns the cached
+        snapshot slot the request's first forward restores into its live slot (-1: none)."""
         hit_nodes = path[: hit_len // self.interval]
         shared = self.cache.path_pages(hit_nodes)
         self.kv_pool.retain(shared)
@@ -51,7 +52,6 @@ class SnapshotPolicy:
         req.cache_path = path
         self.cache.lock(path)
         req.num_computed = req.num_cached_tokens = hit_len
-        req.restore_from = hit_nodes[-1].slot if hit_nodes else -1
         targets = set()
         deepest = path[-1] if path else None
         if deepest is not None and deepest.depth * self.interval > hit_len and deepest.slot < 0:
@@ -61,8 +61,10 @@ class SnapshotPolicy:
             targets.add(prompt_pos)
         req.tree_snapshots = {p: -1 for p in sorted(targets)}
         self.cache.record_query(req.prompt_len, hit_len)
+        return hit_nodes[-1].slot if hit_nodes else -1
 
-    def pages_shared(self, path: list[Node], hit_len: int) -> int:
+    def pages_shared(self, hit_len: int) -> int:
+        """KV pages a hit of `hit_len` tokens shares with the tree instead of allocating."""
         return (hit_len // self.interval) * self.cache.pages_per_block
 
     def make_room(self, path: list[Node], slots: int, pages: int) -> bool:

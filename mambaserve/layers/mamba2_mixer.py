@@ -52,27 +52,27 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(T, H, P, dtype=x.dtype, device=x.device) \
             if meta.num_prefills and meta.num_decodes else None
 
-        if meta.num_prefills:
-            if meta.num_prefill_snapshots:  # before the conv overwrites the rows' windows
-                save_prefill_conv_snapshots(xBC[:Tp], conv_state, meta.prefill_state_slots,
-                                            meta.has_initial_state, meta.snap_conv_idx,
-                                            meta.snap_dst)
+        pf = meta.prefill
+        if pf is not None:
+            if pf.num_snapshots:  # before the conv overwrites the rows' windows
+                save_prefill_conv_snapshots(xBC[:Tp], conv_state, pf.state_slots,
+                                            pf.has_initial_state, pf.snap_conv_idx, pf.snap_dst)
             xBC_p = causal_conv1d_varlen(
-                xBC[:Tp], self.conv_weight, self.conv_bias, conv_state, meta.prefill_state_slots,
-                meta.has_initial_state, meta.conv_window_idx, meta.conv_state_idx)
+                xBC[:Tp], self.conv_weight, self.conv_bias, conv_state, pf.state_slots,
+                pf.has_initial_state, pf.conv_window_idx, pf.conv_state_idx)
             xs, B, C = xBC_p.split([self.d_inner, G * N, G * N], dim=-1)
             y_p, chunk_end_states = ssd_chunk_scan_varlen(
                 xs.reshape(Tp, H, P), dt[:Tp], A, B.reshape(Tp, G, N), C.reshape(Tp, G, N),
-                self.D, self.dt_bias, self.prefill_dt_limit, ssm_state, meta.prefill_state_slots,
-                meta.has_initial_state, meta.chunk_token_idx, meta.token_chunk_pos,
-                meta.row_chunks, meta.row_num_chunks)
+                self.D, self.dt_bias, self.prefill_dt_limit, ssm_state, pf.state_slots,
+                pf.has_initial_state, pf.chunk_token_idx, pf.token_chunk_pos,
+                pf.row_chunks, pf.row_num_chunks)
             if meta.num_decodes:
                 y[:Tp] = y_p
             else:  # prefill-only batch: the scan's output is y (no copy)
                 y = y_p
-            if meta.num_prefill_snapshots:
-                save_prefill_ssm_snapshots(ssm_state, chunk_end_states, meta.snap_chunk,
-                                           meta.snap_dst)
+            if pf.num_snapshots:
+                save_prefill_ssm_snapshots(ssm_state, chunk_end_states, pf.snap_chunk,
+                                           pf.snap_dst)
         if meta.num_decodes:
             Bd = T - Tp
             xBC_d = causal_conv1d_update(xBC[Tp:], self.conv_weight, self.conv_bias, conv_state,
@@ -82,7 +82,7 @@ class Mamba2Mixer(nn.Module):
                 ssm_state, xs.reshape(Bd, H, P), dt[Tp:], A, B.reshape(Bd, G, N),
                 C.reshape(Bd, G, N), self.D, self.dt_bias, self.decode_dt_limit,
                 meta.decode_state_slots)
-            if meta.num_prefills:
+            if pf is not None:
                 y[Tp:] = y_d
             else:  # decode-only batch: no copy
                 y = y_d

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from mambaserve.host_upload import upload
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 _M32 = 0xFFFFFFFF
@@ -31,7 +34,7 @@ _C2 = 0x846CA68B - (1 << 32)
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling parameters of one step, device tensors built by the engine from host lists."""
+    """Per-row sampling parameters of one step: device tensors and host flags."""
 
     temperature: torch.Tensor  # [B] float32; < 1e-5 (e.g. 0.0) means greedy for that row
     top_k: torch.Tensor  # [B] int32; <= 0 (or >= V) means disabled
@@ -44,47 +47,41 @@ class SamplingBatch:
     need_filters: bool  # host flag: some row uses top_k / top_p / min_p
 
     @staticmethod
-    def from_lists(
-        temperature: list[float],
-        top_k: list[int],
-        top_p: list[float],
-        min_p: list[float],
-        seed: list[int],
-        step: list[int],
-        num_logprobs: int,
-        device: torch.device | str,
-    ) -> SamplingBatch:
-        """Pack host lists into one int32 buffer (pinned on CUDA) and copy it once to ``device``.
+    def host_arrays(temperature: list[float], top_k: list[int], top_p: list[float],
+                    min_p: list[float], seed: list[int], step: list[int]) -> dict[str, np.ndarray]:
+        """The per-row parameters as host arrays, to upload with the step's other arrays.
 
         Seeds may be any Python int; they are reduced mod 2**64 and reinterpreted as int64.
         """
         b = len(temperature)
         assert all(len(x) == b for x in (top_k, top_p, min_p, seed, step))
-        device = torch.device(device)
-        buf = torch.empty(8 * b, dtype=torch.int32, pin_memory=device.type == "cuda")
-        buf[0:b].view(torch.float32).copy_(torch.tensor(temperature, dtype=torch.float32))
-        buf[b : 2 * b].copy_(torch.tensor(top_k, dtype=torch.int32))
-        buf[2 * b : 3 * b].view(torch.float32).copy_(torch.tensor(top_p, dtype=torch.float32))
-        buf[3 * b : 4 * b].view(torch.float32).copy_(torch.tensor(min_p, dtype=torch.float32))
         seeds = [((s + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63) for s in seed]
-        buf[4 * b :].view(torch.int64).copy_(torch.tensor(seeds + list(step), dtype=torch.int64))
-        # host lists -> device (an upload; on a CPU run the buffer is used as it is)
-        dev = buf if device.type == "cpu" else buf.to(device, non_blocking=True)
-        i64 = dev[4 * b :].view(torch.int64)
-        need_filters = (
-            any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(p > 0 for p in min_p)
-        )
+        return {"temperature": np.array(temperature, dtype=np.float32),
+                "top_k": np.array(top_k, dtype=np.int32),
+                "top_p": np.array(top_p, dtype=np.float32),
+                "min_p": np.array(min_p, dtype=np.float32),
+                "seed": np.array(seeds, dtype=np.int64), "step": np.array(step, dtype=np.int64)}
+
+    @staticmethod
+    def from_tensors(tensors: dict[str, torch.Tensor], arrays: dict[str, np.ndarray],
+                     num_logprobs: int) -> SamplingBatch:
+        """Over uploaded `host_arrays` (`tensors`); the host flags come from `arrays`."""
+        need_filters = bool((arrays["top_k"] > 0).any() or (arrays["top_p"] < 1.0).any()
+                            or (arrays["min_p"] > 0).any())
         return SamplingBatch(
-            temperature=dev[0:b].view(torch.float32),
-            top_k=dev[b : 2 * b],
-            top_p=dev[2 * b : 3 * b].view(torch.float32),
-            min_p=dev[3 * b : 4 * b].view(torch.float32),
-            seed=i64[:b],
-            step=i64[b:],
+            temperature=tensors["temperature"], top_k=tensors["top_k"], top_p=tensors["top_p"],
+            min_p=tensors["min_p"], seed=tensors["seed"], step=tensors["step"],
             num_logprobs=num_logprobs,
-            all_greedy=all(t < GREEDY_EPS for t in temperature),
-            need_filters=need_filters,
-        )
+            all_greedy=bool((arrays["temperature"] < GREEDY_EPS).all()),
+            need_filters=need_filters)
+
+    @staticmethod
+    def from_lists(temperature: list[float], top_k: list[int], top_p: list[float],
+                   min_p: list[float], seed: list[int], step: list[int], num_logprobs: int,
+                   device: torch.device | str) -> SamplingBatch:
+        """Host lists -> device parameters with one upload (`host_upload.upload`)."""
+        arrays = SamplingBatch.host_arrays(temperature, top_k, top_p, min_p, seed, step)
+        return SamplingBatch.from_tensors(upload(arrays, device), arrays, num_logprobs)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from mambaserve.layers.mlp import MLP
 from mambaserve.layers.moe import MoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.metadata import ForwardMetadata
+from mambaserve.ops.state_snapshot import restore_snapshots
 
 
 class Block(nn.Module):
@@ -53,11 +54,17 @@ class NemotronHForCausalLM(nn.Module):
 
     def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
                 ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
-        """Runs every layer over the flat batch; returns logits [meta.num_logits, vocab] float32.
+        """Runs every layer over the flat batch; returns the logits of the rows
+        `meta.logits_idx` selects, [len(logits_idx), vocab] float32.
 
         conv_state: [L_mamba, slots + 1, K-1, conv_dim]; ssm_state: [L_mamba, slots + 1, H, P, N];
         kv_cache: [L_attn, 2, pages + 1, page_size, H_kv, head_dim].
+        Prefix-cache restores run first (every layer's state in one copy); snapshots are saved
+        inside the Mamba layers.
         """
+        if meta.prefill is not None and meta.prefill.num_restores:
+            restore_snapshots(conv_state, ssm_state, meta.prefill.restore_src,
+                              meta.prefill.restore_dst)
         h = self.embeddings(meta.input_ids)  # the residual stream
         out = None  # the previous block's mixer output, not yet added to h
         for i, block in enumerate(self.layers):

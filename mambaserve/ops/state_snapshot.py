@@ -59,3 +59,12 @@ def save_decode_snapshots_ref(conv_state: torch.Tensor, ssm_state: torch.Tensor,
     dst = safe_slots(snap_dst, conv_state.shape[0])
     conv_state.index_copy_(0, dst, conv_state.index_select(0, src))
     ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
+
+
+def restore_snapshots(conv_state: torch.Tensor, ssm_state: torch.Tensor, src: torch.Tensor,
+                      dst: torch.Tensor) -> None:
+    """Prefix-cache hits: copy whole states (every Mamba layer) from cached snapshot slots `src`
+    into live slots `dst`, before the first layer. conv_state: [L, slots + 1, K-1, conv_dim];
+    ssm_state: [L, slots + 1, H, P, N]; src, dst: [R] (real slots, never -1)."""
+    conv_state.index_copy_(1, dst, conv_state.index_select(1, src))
+    ssm_state.index_copy_(1, dst, ssm_state.index_select(1, src))

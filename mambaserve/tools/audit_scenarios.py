@@ -23,7 +23,7 @@ import torch
 
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.engine.sampling_params import SamplingParams
-from mambaserve.engine.scheduler import ScheduledBatch
+from mambaserve.engine.batch import Batch
 from mambaserve.tools.sync_audit import (
     CPU_ONLY_ALLOWED,
     AllowedSync,
@@ -55,7 +55,7 @@ class ScenarioResult:
             self.step_syncs == self.readback_syncs == self.expected_readbacks
 
 
-def classify(batch: ScheduledBatch) -> list[str]:
+def classify(batch: Batch) -> list[str]:
     """Every scenario a forward belongs to: its shape, plus the prefix-cache work it does."""
     if batch.prefills and batch.decodes:
         tags = ["mixed"]
@@ -107,7 +107,7 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
                  ("h2", {"prompt_token_ids": long + prompt(9)["prompt_token_ids"]}, 21)]
     current: dict[str, str] = {}
 
-    def on_forward(batch: ScheduledBatch, meta) -> None:
+    def on_forward(batch: Batch, meta) -> None:
         current["kinds"] = classify(batch)
         current["readback"] = any(r.samples or r.request.params.prompt_logprobs is not None
                                   for r in batch.rows)

@@ -13,7 +13,7 @@ from mambaserve.engine.cuda_graph import (
     graph_metadata,
     pack_decode_batch,
 )
-from mambaserve.metadata import BatchPlan, RowPlan
+from mambaserve.engine.batch import Batch, Row
 
 PS, SCRATCH = 4, 99
 
@@ -38,7 +38,8 @@ def test_choose_bucket():
 
 
 def decode_row(tok, ctx, slot, pages, snap=None):
-    return RowPlan([tok], ctx, slot, True, pages, [0], [(ctx + 1, snap)] if snap is not None else [])
+    return Row.standalone([tok], ctx, slot, True, pages,
+                          [(ctx + 1, snap)] if snap is not None else [])
 
 
 def fields(buf, layout, bs):
@@ -49,9 +50,9 @@ def fields(buf, layout, bs):
 
 def test_pack_pads_rows_to_the_bucket():
     layout = StaticLayout(max_bs=8, max_pages=3)
-    plan = BatchPlan([], [decode_row(7, 5, 2, [10, 11]), decode_row(9, 0, 4, [12], snap=6)])
+    plan = Batch([], [decode_row(7, 5, 2, [10, 11]), decode_row(9, 0, 4, [12], snap=6)])
     buf = pack_decode_batch(plan, 4, layout, page_size=PS, scratch_page=SCRATCH)
-    assert buf.shape == (layout.prefix_len(4),) == (8 * 8 + 4 * 3,)
+    assert buf.shape == (layout.prefix_len(4),) == (7 * 8 + 4 * 3,)
     f = fields(buf, layout, 4)
     assert f["input_ids"][:4].tolist() == [7, 9, 0, 0]
     assert f["positions"][:4].tolist() == [5, 0, 0, 0]
@@ -62,20 +63,19 @@ def test_pack_pads_rows_to_the_bucket():
                                         [SCRATCH] * 3, [SCRATCH] * 3]
     assert f["logits_idx"][:4].tolist() == [0, 1, 2, 3]
     assert f["token_row"][:4].tolist() == [0, 1, 2, 3]
-    assert f["sample_idx"][:2].tolist() == [0, 1]
 
 
 def test_pack_refuses_mixed_batches():
     layout = StaticLayout(max_bs=4, max_pages=2)
-    prefill = RowPlan([1, 2, 3], 0, 0, False, [0], [2])
-    plan = BatchPlan([prefill], [decode_row(7, 5, 2, [1, 2])])
+    prefill = Row.standalone([1, 2, 3], 0, 0, False, [0])
+    plan = Batch([prefill], [decode_row(7, 5, 2, [1, 2])])
     with pytest.raises(AssertionError, match="prefill row"):
         pack_decode_batch(plan, 2, layout, page_size=PS, scratch_page=SCRATCH)
 
 
 def test_pack_refuses_rows_beyond_the_graph():
     layout = StaticLayout(max_bs=4, max_pages=1)
-    plan = BatchPlan([], [decode_row(7, 5, 2, [1, 2])])
+    plan = Batch([], [decode_row(7, 5, 2, [1, 2])])
     with pytest.raises(ValueError, match="pages"):
         pack_decode_batch(plan, 1, layout, page_size=PS, scratch_page=SCRATCH)
 
@@ -83,8 +83,7 @@ def test_pack_refuses_rows_beyond_the_graph():
 def test_metadata_views_are_sliced_to_the_bucket():
     layout = StaticLayout(max_bs=8, max_pages=3)
     buf = torch.zeros(layout.total, dtype=torch.int64)
-    meta = graph_metadata(buf, layout, 2, max_kv_len=12, conv_kernel=4, chunk_size=8,
-                          snapshots=True)
+    meta = graph_metadata(buf, layout, 2, max_kv_len=12, snapshots=True)
     for name in ("input_ids", "positions", "token_row", "state_slots", "slot_mapping",
                  "decode_snap_dst", "logits_idx"):
         t = getattr(meta, name)
@@ -92,17 +91,17 @@ def test_metadata_views_are_sliced_to_the_bucket():
         assert t.data_ptr() == buf.data_ptr() + 8 * layout.offset(name), name
     assert meta.page_table.shape == (2, 3)
     assert meta.page_table.data_ptr() == buf.data_ptr() + 8 * layout.offset("page_table")
-    assert (meta.num_prefills, meta.num_decodes, meta.num_tokens, meta.num_logits) == (0, 2, 2, 2)
+    assert (meta.num_prefills, meta.num_decodes, meta.num_tokens) == (0, 2, 2)
+    assert meta.prefill is None and meta.logits_idx.shape == (2,)
     assert meta.max_kv_len == 12 and meta.num_decode_snapshots == 2
     assert meta.decode_state_slots.shape == (2,)
     # the packed prefix lands where the views look
-    plan = BatchPlan([], [decode_row(7, 5, 2, [1, 2])])
+    plan = Batch([], [decode_row(7, 5, 2, [1, 2])])
     host = pack_decode_batch(plan, 2, layout, page_size=PS, scratch_page=SCRATCH)
     buf[: host.size] = torch.from_numpy(host)
     assert meta.input_ids.tolist() == [7, 0] and meta.state_slots.tolist() == [2, -1]
     assert meta.page_table.tolist() == [[1, 2, SCRATCH], [SCRATCH] * 3]
-    no_snap = graph_metadata(buf, layout, 2, max_kv_len=12, conv_kernel=4, chunk_size=8,
-                             snapshots=False)
+    no_snap = graph_metadata(buf, layout, 2, max_kv_len=12, snapshots=False)
     assert no_snap.num_decode_snapshots == 0
 
 
@@ -131,8 +130,8 @@ def test_static_buffer_path_matches_eager_on_cpu(tiny_ckpt, prefix):
     assert eager.engine.runner.graph_runner is None and gr is not None
     assert gr.buckets == [1, 2, 4] and gr.max_kv_len == 96
     sizes = []
-    run = gr.run
-    gr.run = lambda plan, rows: (sizes.append(len(plan.decodes)), run(plan, rows))[1]
+    load = gr.load
+    gr.load = lambda batch: (sizes.append(len(batch.decodes)), load(batch))[1]
     prompts = _prompts()
     assert _generate(graph, prompts, params) == _generate(eager, prompts, params)
     assert sizes and 3 in sizes  # bucket 4 with one padding row was used
@@ -147,8 +146,8 @@ def test_mixed_batches_run_eagerly(tiny_ckpt):
               max_num_seqs=4, chunked_prefill_size=24)
     gr = llm.engine.runner.graph_runner
     seen = []
-    run = gr.run
-    gr.run = lambda plan, rows: (seen.append(plan), run(plan, rows))[1]
+    load = gr.load
+    gr.load = lambda batch: (seen.append(batch), load(batch))[1]
     prompts = _prompts()
     _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert seen and all(not p.prefills for p in seen)
@@ -187,10 +186,8 @@ def test_capture_batches_touch_only_scratch_memory(tiny_ckpt):
     sp, kv = eng.state_pool, eng.kv_pool
     before = (sp.conv_state[:, :-1].clone(), sp.ssm_state[:, :-1].clone(),
               kv.kv_cache[:, :, :-1].clone())
-    from mambaserve.metadata import RowPlan
-
     for bs in gr.buckets:  # what capture() runs before and inside each capture
-        gr._load(BatchPlan([], [RowPlan([0], 0, -1, True, [])]), bs, [])
+        gr._load(Batch([], [Row.standalone([0], 0, -1, True, [])]), bs)
         gr._forward(bs)
     assert torch.equal(before[0], sp.conv_state[:, :-1])
     assert torch.equal(before[1], sp.ssm_state[:, :-1])

@@ -11,7 +11,8 @@ import zlib
 
 import torch
 
-from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+from mambaserve.engine.batch import Batch, Row
+from mambaserve.metadata import build_metadata
 
 F64 = torch.float64
 
@@ -48,18 +49,18 @@ def ssm_params(g: torch.Generator, T: int, H: int):
 # --------------------------------------------------------------------------------------------
 
 def row(n: int, ctx: int = 0, slot: int = 0, init: bool = False, pages: list[int] | None = None,
-        page_size: int = 1024) -> RowPlan:
-    """A RowPlan of n new tokens after ctx cached ones. Without explicit pages, consecutive page
+        page_size: int = 1024) -> Row:
+    """A Row of n new tokens after ctx cached ones. Without explicit pages, consecutive page
     ids starting at 0 covering [0, ctx + n) (fine for ops that ignore the KV pool)."""
     if pages is None:
         pages = list(range(-(-(ctx + n) // page_size)))
-    return RowPlan(token_ids=list(range(100, 100 + n)), context_len=ctx, state_slot=slot,
+    return Row.standalone(token_ids=list(range(100, 100 + n)), context_len=ctx, state_slot=slot,
                    has_initial_state=init, pages=pages)
 
 
 def meta_for(prefills, decodes=(), *, chunk_size: int = 8, conv_kernel: int = 4,
              page_size: int = 1024, scratch_page: int = 10_000):
-    return build_metadata(BatchPlan(prefills=list(prefills), decodes=list(decodes)),
+    return build_metadata(Batch(prefills=list(prefills), decodes=list(decodes)),
                           chunk_size=chunk_size, conv_kernel=conv_kernel, page_size=page_size,
                           scratch_page=scratch_page, device="cpu")
 

@@ -44,8 +44,8 @@ def test_conv_varlen_matches_naive(K, use_bias, activation):
     state0 = randn(g, NUM_SLOTS + 1, K - 1, DIM)
     conv_state = state0.clone()
 
-    out = causal_conv1d_varlen(x, weight, bias, conv_state, meta.prefill_state_slots,
-                               meta.has_initial_state, meta.conv_window_idx, meta.conv_state_idx,
+    out = causal_conv1d_varlen(x, weight, bias, conv_state, meta.prefill.state_slots,
+                               meta.prefill.has_initial_state, meta.prefill.conv_window_idx, meta.prefill.conv_state_idx,
                                activation=activation)
     assert out.shape == (T, DIM) and out.dtype == torch.float32
     for r, (s, e) in zip(rows, row_spans(rows)):
@@ -67,8 +67,8 @@ def test_conv_varlen_negative_slot_touches_no_real_slot():
     weight, bias = randn(g, DIM, K), randn(g, DIM)
     state0 = randn(g, NUM_SLOTS + 1, K - 1, DIM)
     conv_state = state0.clone()
-    out = causal_conv1d_varlen(x, weight, bias, conv_state, meta.prefill_state_slots,
-                               meta.has_initial_state, meta.conv_window_idx, meta.conv_state_idx)
+    out = causal_conv1d_varlen(x, weight, bias, conv_state, meta.prefill.state_slots,
+                               meta.prefill.has_initial_state, meta.prefill.conv_window_idx, meta.prefill.conv_state_idx)
     spans = row_spans(rows)
     for i in (0, 2):
         r, (s, e) = rows[i], spans[i]
@@ -127,8 +127,8 @@ def test_conv_mixed_batch_then_decode_equals_full_stream(K):
         out = torch.empty(T, DIM)
         if meta.num_prefills:
             out[:Tp] = causal_conv1d_varlen(
-                x[:Tp], weight, bias, conv_state, meta.prefill_state_slots,
-                meta.has_initial_state, meta.conv_window_idx, meta.conv_state_idx)
+                x[:Tp], weight, bias, conv_state, meta.prefill.state_slots,
+                meta.prefill.has_initial_state, meta.prefill.conv_window_idx, meta.prefill.conv_state_idx)
         out[Tp:] = causal_conv1d_update(x[Tp:], weight, bias, conv_state, meta.decode_state_slots)
         for rid, (s, e) in zip(order, row_spans(prefills + decodes)):
             history[rid] = torch.cat([history[rid], x[s:e]])
@@ -156,8 +156,8 @@ def test_conv_fresh_row_ignores_garbage_in_its_slot():
     state0[3] = float("nan")
     state0[3, 0, 0] = float("inf")
     conv_state = state0.clone()
-    out = causal_conv1d_varlen(x, weight, bias, conv_state, meta.prefill_state_slots,
-                               meta.has_initial_state, meta.conv_window_idx, meta.conv_state_idx)
+    out = causal_conv1d_varlen(x, weight, bias, conv_state, meta.prefill.state_slots,
+                               meta.prefill.has_initial_state, meta.prefill.conv_window_idx, meta.prefill.conv_state_idx)
     finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(conv_state[3]).all())
     assert finite, ("has_initial_state=False row produced NaN from the stale contents of its slot "
                     "(the initial window is masked by multiplying with 0, and NaN * 0 = NaN)")

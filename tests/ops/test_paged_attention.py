@@ -120,7 +120,8 @@ def test_max_kv_len_beyond_longest_row():
 def test_prefill_and_decode_tokens_split_between_kernels_on_gpu(dtype):
     """With `num_prefill_tokens` the prefill tokens take the tiled kernel and the decode tokens
     the per-token kernel (mixed, prefill-only and decode-only batches): same as the reference."""
-    from mambaserve.metadata import BatchPlan, build_metadata
+    from mambaserve.engine.batch import Batch
+    from mambaserve.metadata import build_metadata
     from mambaserve.ops.paged_attention import paged_attention_ref
 
     H, Hkv, Dh, page = 40, 8, 128, 16
@@ -132,7 +133,7 @@ def test_prefill_and_decode_tokens_split_between_kernels_on_gpu(dtype):
         k = -(-(c + n) // page)
         pages.append(list(range(at, at + k)))
         at += k
-    plan = BatchPlan(prefills=[row(n, c, i, c > 0, pages[i]) for i, (c, n) in enumerate(lens)],
+    plan = Batch(prefills=[row(n, c, i, c > 0, pages[i]) for i, (c, n) in enumerate(lens)],
                      decodes=[row(1, c, len(lens) + j, True, pages[len(lens) + j])
                               for j, (c, _) in enumerate(dec)])
     meta = build_metadata(plan, chunk_size=8, conv_kernel=4, page_size=page, scratch_page=at,

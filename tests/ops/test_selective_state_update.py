@@ -89,8 +89,8 @@ def test_prefill_then_decode_continues_the_recurrence(cs):
     meta = meta_for([row(n_prefill, 0, slot_a, False)], chunk_size=cs)
     y_pre, _ = ssd_chunk_scan_varlen(
         x[:n_prefill], dt_raw[:n_prefill], A, B[:n_prefill], C[:n_prefill], D, dt_bias, lim,
-        ssm_state, meta.prefill_state_slots, meta.has_initial_state, meta.chunk_token_idx,
-        meta.token_chunk_pos, meta.row_chunks, meta.row_num_chunks)
+        ssm_state, meta.prefill.state_slots, meta.prefill.has_initial_state, meta.prefill.chunk_token_idx,
+        meta.prefill.token_chunk_pos, meta.prefill.row_chunks, meta.prefill.row_num_chunks)
     y_dec = []
     for t in range(n_prefill, n):
         # another request (slot_b, 3 tokens, fresh) prefills in the same forward
@@ -98,9 +98,9 @@ def test_prefill_then_decode_continues_the_recurrence(cs):
         xo, Bo, Co = randn(g, 3, H, P), randn(g, 3, G, N), randn(g, 3, G, N)
         dto = randn(g, 3, H)
         ssd_chunk_scan_varlen(xo, dto, A, Bo, Co, D, dt_bias, lim, ssm_state,
-                              meta.prefill_state_slots, meta.has_initial_state,
-                              meta.chunk_token_idx, meta.token_chunk_pos, meta.row_chunks,
-                              meta.row_num_chunks)
+                              meta.prefill.state_slots, meta.prefill.has_initial_state,
+                              meta.prefill.chunk_token_idx, meta.prefill.token_chunk_pos, meta.prefill.row_chunks,
+                              meta.prefill.row_num_chunks)
         y_dec.append(selective_state_update(ssm_state, x[t:t + 1], dt_raw[t:t + 1], A,
                                             B[t:t + 1], C[t:t + 1], D, dt_bias, lim,
                                             meta.decode_state_slots))

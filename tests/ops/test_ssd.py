@@ -42,9 +42,9 @@ def make_inputs(g, T, H, P, G, N):
 def run_ssd(meta, ins, dt_limit, ssm_state):
     x, dt_raw, A, B, C, D, dt_bias = ins
     return ssd_chunk_scan_varlen(
-        x, dt_raw, A, B, C, D, dt_bias, dt_limit, ssm_state, meta.prefill_state_slots,
-        meta.has_initial_state, meta.chunk_token_idx, meta.token_chunk_pos, meta.row_chunks,
-        meta.row_num_chunks)
+        x, dt_raw, A, B, C, D, dt_bias, dt_limit, ssm_state, meta.prefill.state_slots,
+        meta.prefill.has_initial_state, meta.prefill.chunk_token_idx, meta.prefill.token_chunk_pos, meta.prefill.row_chunks,
+        meta.prefill.row_num_chunks)
 
 
 def naive_rows(rows, ins, dt_limit, state0):
@@ -96,10 +96,10 @@ def test_ssd_matches_recurrence(H, P, G, N, cs, dt_limit):
             assert torch.equal(ssm_state[s], state0[s]), f"slot {s} was modified"
 
     # chunk_end_states[c] = the naive state after the last token of chunk c
-    assert chunk_end_states.shape == (meta.num_chunks, H, P, N)
+    assert chunk_end_states.shape == (meta.prefill.num_chunks, H, P, N)
     starts = [s for s, _ in row_spans(rows)]
-    idx = meta.chunk_token_idx
-    for c in range(meta.num_chunks):
+    idx = meta.prefill.chunk_token_idx
+    for c in range(meta.prefill.num_chunks):
         toks = idx[c][idx[c] < T]
         last = int(toks[-1])
         r = int(meta.token_row[last])
@@ -114,11 +114,11 @@ def test_ssd_chunk_plan(cs):
     rows = rows_for(cs, list(range(8)))
     meta = meta_for(rows, chunk_size=cs)
     T = meta.num_prefill_tokens
-    idx, pos = meta.chunk_token_idx, meta.positions
+    idx, pos = meta.prefill.chunk_token_idx, meta.positions
     seen = []
     for r, (s, e) in enumerate(row_spans(rows)):
-        ids = meta.row_chunks[r, : int(meta.row_num_chunks[r])].tolist()
-        assert (meta.row_chunks[r, len(ids):] == meta.num_chunks).all()
+        ids = meta.prefill.row_chunks[r, : int(meta.prefill.row_num_chunks[r])].tolist()
+        assert (meta.prefill.row_chunks[r, len(ids):] == meta.prefill.num_chunks).all()
         covered = []
         for j, c in enumerate(ids):
             toks = idx[c][idx[c] < T].tolist()
@@ -129,11 +129,11 @@ def test_ssd_chunk_plan(cs):
                 assert (int(pos[toks[-1]]) + 1) % cs == 0, "inner chunk end not aligned"
             assert int(pos[toks[0]]) // cs == int(pos[toks[-1]]) // cs, "chunk crosses boundary"
             # token_chunk_pos points back into the grid
-            assert meta.token_chunk_pos[toks].tolist() == [c * cs + i for i in range(len(toks))]
+            assert meta.prefill.token_chunk_pos[toks].tolist() == [c * cs + i for i in range(len(toks))]
             covered += toks
         assert covered == list(range(s, e))
         seen += ids
-    assert sorted(seen) == list(range(meta.num_chunks))
+    assert sorted(seen) == list(range(meta.prefill.num_chunks))
 
 
 def test_ssd_negative_slot_uses_scratch_only():
@@ -179,14 +179,14 @@ def test_ssd_chunked_prefill_equals_one_shot():
         part = (x[a:b], dt_raw[a:b], A, B[a:b], C[a:b], D, dt_bias)
         yp, ends = run_ssd(m, part, (0.0, math.inf), st)
         ys.append(yp)
-        for c in range(m.num_chunks):  # chunk end position -> state
-            toks = m.chunk_token_idx[c][m.chunk_token_idx[c] < b - a]
+        for c in range(m.prefill.num_chunks):  # chunk end position -> state
+            toks = m.prefill.chunk_token_idx[c][m.prefill.chunk_token_idx[c] < b - a]
             aligned[int(m.positions[int(toks[-1])])] = ends[c]
     torch.testing.assert_close(torch.cat(ys), y1, **TOL)
     torch.testing.assert_close(st[slot], one_state[slot], **TOL)
-    for c in range(meta1.num_chunks):
-        end_pos = int(meta1.positions[int(meta1.chunk_token_idx[c][meta1.chunk_token_idx[c]
-                                                                    < n_total][-1])])
+    for c in range(meta1.prefill.num_chunks):
+        idx = meta1.prefill.chunk_token_idx[c]
+        end_pos = int(meta1.positions[int(idx[idx < n_total][-1])])
         torch.testing.assert_close(aligned[end_pos], ends1[c], **TOL)
     # and both equal the recurrence
     y_ref, _ = naive_ssm_row(*ins, (0.0, math.inf), torch.zeros(H, P, N))

@@ -7,7 +7,8 @@ import pytest
 import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
-from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+from mambaserve.engine.batch import Batch, Row
+from mambaserve.metadata import build_metadata
 from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
 from mambaserve.ops.triton.conv1d_varlen import _conv_varlen_kernel, causal_conv1d_varlen_triton
 
@@ -18,7 +19,7 @@ def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0
          state_dtype=None, **kw):
     """rows: (num_tokens, context_len, slot, has_initial_state)."""
     gen = torch.Generator().manual_seed(seed)
-    plan = BatchPlan(prefills=[RowPlan([1] * n, ctx, slot, init, [0]) for n, ctx, slot, init in rows],
+    plan = Batch(prefills=[Row.standalone([1] * n, ctx, slot, init, [0]) for n, ctx, slot, init in rows],
                      decodes=[])
     meta = build_metadata(plan, chunk_size=16, conv_kernel=K, page_size=1 << 20, scratch_page=0,
                           device=DEV)
@@ -28,8 +29,8 @@ def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0
     x = torch.randn(T, Dm + 9, generator=gen).to(DEV, dtype)[:, 4: 4 + Dm]  # strided like xBC
     w = (torch.randn(Dm, K, generator=gen) * 0.5).to(DEV, dtype)
     b = (torch.randn(Dm, generator=gen) * 0.5).to(DEV, dtype) if bias else None
-    args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
-            meta.conv_window_idx, meta.conv_state_idx, activation)
+    args = (meta.prefill.state_slots.to(torch.int32), meta.prefill.has_initial_state,
+            meta.prefill.conv_window_idx, meta.prefill.conv_state_idx, activation)
     st_ref, st = state.clone(), state.clone()
     if nan_fresh:  # stale NaN in the slots of rows without an initial state
         for n, ctx, slot, init in rows:

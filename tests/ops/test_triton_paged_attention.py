@@ -14,7 +14,8 @@ import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
 import mambaserve.ops.triton.paged_attention as tpa
-from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+from mambaserve.engine.batch import Batch, Row
+from mambaserve.metadata import build_metadata
 from mambaserve.ops.paged_attention import paged_attention_ref
 from mambaserve.ops.paged_attention import write_kv as write_kv_any
 from mambaserve.ops.triton.paged_attention import (
@@ -38,12 +39,12 @@ def write_kv_ref(kv_cache, k, v, slot_mapping):
 
 
 def _meta(prefills, decodes, page_size, scratch):
-    return build_metadata(BatchPlan(prefills=prefills, decodes=decodes), chunk_size=8,
+    return build_metadata(Batch(prefills=prefills, decodes=decodes), chunk_size=8,
                           conv_kernel=4, page_size=page_size, scratch_page=scratch, device=DEV)
 
 
 def _row(n, ctx, slot, pages):
-    return RowPlan(token_ids=[1] * n, context_len=ctx, state_slot=slot, has_initial_state=ctx > 0,
+    return Row.standalone(token_ids=[1] * n, context_len=ctx, state_slot=slot, has_initial_state=ctx > 0,
                    pages=pages)
 
 

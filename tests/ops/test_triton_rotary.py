@@ -11,7 +11,8 @@ import pytest
 import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
-from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+from mambaserve.engine.batch import Batch, Row
+from mambaserve.metadata import build_metadata
 from mambaserve.ops.rotary import apply_rotary_ref
 from mambaserve.ops.triton.rotary import _rotary_kernel, apply_rotary_triton
 
@@ -20,9 +21,9 @@ require_interpreter(_rotary_kernel)
 
 def _positions(prefills, decodes):
     def r(c, n):
-        return RowPlan(token_ids=[1] * n, context_len=c, state_slot=0, has_initial_state=c > 0,
+        return Row.standalone(token_ids=[1] * n, context_len=c, state_slot=0, has_initial_state=c > 0,
                        pages=[0])
-    plan = BatchPlan(prefills=[r(c, n) for c, n in prefills], decodes=[r(c, 1) for c in decodes])
+    plan = Batch(prefills=[r(c, n) for c, n in prefills], decodes=[r(c, 1) for c in decodes])
     return build_metadata(plan, chunk_size=8, conv_kernel=4, page_size=1 << 20, scratch_page=1,
                           device=DEV).positions
 

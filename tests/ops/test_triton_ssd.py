@@ -14,7 +14,8 @@ import pytest
 import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
-from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+from mambaserve.engine.batch import Batch, Row
+from mambaserve.metadata import build_metadata
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen_ref
 from mambaserve.ops.triton.ssd import _chunk_scan_kernel, ssd_chunk_scan_varlen_triton
 
@@ -28,8 +29,8 @@ F32_TOL = 1e-5 if DEV == "cpu" else 5e-5
 
 def _meta(rows, chunk_size):
     """rows: list of (num_tokens, context_len, slot, has_initial_state)."""
-    plan = BatchPlan(
-        prefills=[RowPlan(token_ids=[1] * n, context_len=ctx, state_slot=slot,
+    plan = Batch(
+        prefills=[Row.standalone(token_ids=[1] * n, context_len=ctx, state_slot=slot,
                           has_initial_state=init, pages=[0]) for n, ctx, slot, init in rows],
         decodes=[])
     return build_metadata(plan, chunk_size=chunk_size, conv_kernel=4, page_size=1 << 20,
@@ -59,15 +60,15 @@ def _inputs(T, H, P, N, G, num_slots, dtype, gen, strided):
 def _permute_chunks(meta, seed):
     """The same plan with the chunk ids shuffled: kernels must not assume a row's chunks are
     consecutive (only the order inside `row_chunks` counts)."""
-    nc, L = meta.chunk_token_idx.shape
+    nc, L = meta.prefill.chunk_token_idx.shape
     perm = torch.randperm(nc, generator=torch.Generator().manual_seed(seed)).to(DEV)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(nc, device=DEV)
     inv_pad = torch.cat([inv, torch.tensor([nc], device=DEV)])
-    cti = meta.chunk_token_idx[perm].contiguous()
-    pos = meta.token_chunk_pos
+    cti = meta.prefill.chunk_token_idx[perm].contiguous()
+    pos = meta.prefill.token_chunk_pos
     tcp = inv[pos // L] * L + pos % L
-    return cti, tcp, inv_pad[meta.row_chunks].contiguous()
+    return cti, tcp, inv_pad[meta.prefill.row_chunks].contiguous()
 
 
 def _shuffle_tokens(meta, seed):
@@ -76,9 +77,9 @@ def _shuffle_tokens(meta, seed):
     T = meta.num_prefill_tokens
     perm = torch.randperm(T, generator=torch.Generator().manual_seed(seed)).to(DEV)  # t -> perm[t]
     perm_pad = torch.cat([perm, torch.tensor([T], device=DEV)])
-    tcp = torch.empty_like(meta.token_chunk_pos)
-    tcp[perm] = meta.token_chunk_pos
-    return perm_pad[meta.chunk_token_idx].contiguous(), tcp, meta.row_chunks
+    tcp = torch.empty_like(meta.prefill.token_chunk_pos)
+    tcp[perm] = meta.prefill.token_chunk_pos
+    return perm_pad[meta.prefill.chunk_token_idx].contiguous(), tcp, meta.prefill.row_chunks
 
 
 def _run(rows, H, P, N, G, chunk_size, dtype, dt_limit=(0.0, float("inf")), strided=False,
@@ -88,13 +89,13 @@ def _run(rows, H, P, N, G, chunk_size, dtype, dt_limit=(0.0, float("inf")), stri
     T = meta.num_prefill_tokens
     num_slots = max(r[2] for r in rows) + 2
     x, dt, A, B, C, D, dtb, st = _inputs(T, H, P, N, G, num_slots, dtype, gen, strided)
-    cti, tcp, rc = meta.chunk_token_idx, meta.token_chunk_pos, meta.row_chunks
+    cti, tcp, rc = meta.prefill.chunk_token_idx, meta.prefill.token_chunk_pos, meta.prefill.row_chunks
     if permute:
         cti, tcp, rc = _permute_chunks(meta, seed)
     if shuffle:
         cti, tcp, rc = _shuffle_tokens(meta, seed)
-    args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state, cti, tcp, rc,
-            meta.row_num_chunks)
+    args = (meta.prefill.state_slots.to(torch.int32), meta.prefill.has_initial_state, cti, tcp, rc,
+            meta.prefill.row_num_chunks)
     st_ref, st_tri = st.clone(), st.clone()
     y_ref, e_ref = ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dtb, dt_limit, st_ref, *args)
     y, e = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, dt_limit, st_tri, *args, **kw)
