@@ -278,13 +278,14 @@ def norm(peer, tokens):
 
 
 def prefill(peer, shapes, sweep):
-    from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+    from mambaserve.engine.batch import Batch, Row
+    from mambaserve.metadata import build_metadata
     from mambaserve.ops.ssd import ssd_chunk_scan_varlen_ref
     from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
 
     lim = (0.0, float("inf"))
     for nrows, seqlen in shapes:
-        plan = BatchPlan(prefills=[RowPlan([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
+        plan = Batch(prefills=[Row.standalone([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
                          decodes=[])
         meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=1 << 20,
                               scratch_page=0, device=DEV)
@@ -299,9 +300,9 @@ def prefill(peer, shapes, sweep):
         D = torch.randn(H, device=DEV, generator=g)
         dt_bias = torch.randn(H, device=DEV, generator=g) * 0.5
         ssm = torch.randn(nrows + 1, H, P, N, device=DEV, generator=g)
-        args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
-                meta.chunk_token_idx, meta.token_chunk_pos, meta.row_chunks, meta.row_num_chunks)
-        nc = meta.num_chunks
+        args = (meta.prefill.state_slots.to(torch.int32), meta.prefill.has_initial_state,
+                meta.prefill.chunk_token_idx, meta.prefill.token_chunk_pos, meta.prefill.row_chunks, meta.prefill.row_num_chunks)
+        nc = meta.prefill.num_chunks
         flops = nc * H * (2 * L * L * N + 2 * L * L * P + 4 * L * N * P)
         s1 = ssm.clone()
         yr, er = ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1, *args)
@@ -357,12 +358,13 @@ CONV_SWEEP = [(16, 512, 4, 0), (16, 512, 4, 2), (8, 512, 4, 4), (32, 512, 4, 4),
 
 
 def conv_prefill(shapes, sweep=False, conv_peer=None):
-    from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+    from mambaserve.engine.batch import Batch, Row
+    from mambaserve.metadata import build_metadata
     from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
     from mambaserve.ops.triton.conv1d_varlen import causal_conv1d_varlen_triton
 
     for nrows, seqlen in shapes:
-        plan = BatchPlan(prefills=[RowPlan([1] * seqlen, 5, i, True, [0]) for i in range(nrows)],
+        plan = Batch(prefills=[Row.standalone([1] * seqlen, 5, i, True, [0]) for i in range(nrows)],
                          decodes=[])
         meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=1 << 20,
                               scratch_page=0, device=DEV)
@@ -373,8 +375,8 @@ def conv_prefill(shapes, sweep=False, conv_peer=None):
         w = torch.randn(CONV_DIM, K, device=DEV, dtype=DT) * 0.5
         b = torch.randn(CONV_DIM, device=DEV, dtype=DT)
         st = torch.randn(nrows + 1, K - 1, CONV_DIM, device=DEV, dtype=DT)
-        args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
-                meta.conv_window_idx, meta.conv_state_idx)
+        args = (meta.prefill.state_slots.to(torch.int32), meta.prefill.has_initial_state,
+                meta.prefill.conv_window_idx, meta.prefill.conv_state_idx)
         s1 = st.clone()
         out_ref = causal_conv1d_varlen_ref(x, w, b, s1, *args)
         nbytes = 2 * T * CONV_DIM * 2
@@ -416,8 +418,8 @@ def conv_prefill_peer(conv_peer, plan, meta, x, w, b, st, out_ref, s_ref, nbytes
     seqlens = [r.num_tokens for r in plan.prefills]
     qsl = torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0).tolist()), dtype=torch.int32,
                        device=DEV)
-    slots = meta.prefill_state_slots.to(torch.int32)
-    init = meta.has_initial_state
+    slots = meta.prefill.state_slots.to(torch.int32)
+    init = meta.prefill.has_initial_state
     pmeta = conv_peer_metadata(seqlens, DEV)
     xp = x.t()
     sp = st.clone()
@@ -445,14 +447,15 @@ def attention_prefill(shapes, sweep=False):
     tokens): the per-token kernel the dispatch uses, the tiled kernel, and torch's SDPA on dense
     [rows, heads, L, D] tensors (flash attention on the GPU) as the peer. TFLOP/s over the
     causal work, 4·H·D·L(L+1)/2 per row."""
-    from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+    from mambaserve.engine.batch import Batch, Row
+    from mambaserve.metadata import build_metadata
     from mambaserve.ops.paged_attention import paged_attention_ref, write_kv
     from mambaserve.ops.triton.paged_attention import paged_attention_triton
 
     ah, akv, ad, page = (AH, AKV, AD, PAGE) if not DRY else (4, 2, 16, 4)
     for nrows, seqlen in shapes:
         pages_per_row = -(-seqlen // page)
-        plan = BatchPlan(prefills=[RowPlan([1] * seqlen, 0, i, False,
+        plan = Batch(prefills=[Row.standalone([1] * seqlen, 0, i, False,
                                            list(range(i * pages_per_row, (i + 1) * pages_per_row)))
                                    for i in range(nrows)], decodes=[])
         meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=page,

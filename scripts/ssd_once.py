@@ -19,11 +19,12 @@ H, P, N, G, K, L = 128, 80, 128, 8, 4, 128
 
 
 def main(shape: str) -> None:
-    from mambaserve.metadata import BatchPlan, RowPlan, build_metadata
+    from mambaserve.engine.batch import Batch, Row
+    from mambaserve.metadata import build_metadata
     from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
 
     nrows, seqlen = (int(v) for v in shape.split("x"))
-    plan = BatchPlan(prefills=[RowPlan([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
+    plan = Batch(prefills=[Row.standalone([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
                      decodes=[])
     meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=1 << 20, scratch_page=0,
                           device="cuda")
@@ -38,8 +39,8 @@ def main(shape: str) -> None:
     D = torch.randn(H, device="cuda", generator=g)
     dt_bias = torch.randn(H, device="cuda", generator=g) * 0.5
     ssm = torch.zeros(nrows + 1, H, P, N, device="cuda")
-    args = (meta.prefill_state_slots.to(torch.int32), meta.has_initial_state,
-            meta.chunk_token_idx, meta.token_chunk_pos, meta.row_chunks, meta.row_num_chunks)
+    args = (meta.prefill.state_slots.to(torch.int32), meta.prefill.has_initial_state,
+            meta.prefill.chunk_token_idx, meta.prefill.token_chunk_pos, meta.prefill.row_chunks, meta.prefill.row_num_chunks)
     calls = [lambda: ssd_chunk_scan_varlen_triton(x, dt, A, Bm, Cm, D, dt_bias,
                                                   (0.0, float("inf")), ssm, *args)]
     try:
