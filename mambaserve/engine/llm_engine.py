@@ -82,7 +82,7 @@ class LLMEngine:
     def warmup(self) -> None:
         """A prefill-only, a mixed and a decode step on throwaway prompts, so the Triton kernels
         of every forward kind are compiled before the first request: on the H200 a fresh
-        server's first requests otherwise waited ~10 s for JIT compiles (docs/benchmarks.md).
+        server's first requests otherwise waited ~12 s for JIT compiles (docs/benchmarks.md).
         The prefix cache sees none of it (no policy during the warm-up); the stats, the seed
         generator and the arrival counter start afresh, so later requests are unaffected."""
         policy, self.scheduler.policy = self.scheduler.policy, None
