@@ -1,13 +1,27 @@
 """Tokenizer from a checkpoint folder: tokenizer.json (HF `tokenizers`) plus the special tokens
-and chat template of tokenizer_config.json. transformers is not needed at run time."""
+and chat template of tokenizer_config.json. transformers is not needed at run time.
+
+Chat templates come with the checkpoint, so they are code from whoever published it: they are
+rendered in jinja2's `ImmutableSandboxedEnvironment` (no access to Python internals such as
+`__globals__`, no mutation of the messages, `range` capped), with the helpers Hugging Face
+templates use (`raise_exception`, `strftime_now`, `tojson` with `indent`, loop controls).
+"""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (`raise_exception`), is broken, or tried
+    something the sandbox forbids. The message says which."""
 
 
 class Tokenizer:
@@ -28,13 +42,17 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.add_bos = bool(self.config.get("add_bos_token", False))
+        self._compiled: tuple[str, jinja2.Template] | None = None
+        # encode_batch(_fast) releases the GIL while it tokenizes (encode does not): a long
+        # prompt tokenized on a worker thread then leaves the server's event loop free
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
@@ -46,13 +64,31 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template rendered in the sandbox. Raises ChatTemplateError (a ValueError)
+        when there is no template, when the template refuses the messages, or when it fails."""
         if not self.chat_template:
-            raise ValueError("this model's tokenizer has no chat template")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            raise ChatTemplateError("this model's tokenizer has no chat template")
+        template = self._template(self.chat_template)
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as e:
+            raise ChatTemplateError(f"the chat template attempted an operation the sandbox "
+                                    f"forbids and was stopped: {e}") from None
+        except Exception as e:  # noqa: BLE001 - anything a broken template raises
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") \
+                from None
+
+    def _template(self, source: str) -> jinja2.Template:
+        if self._compiled is None or self._compiled[0] != source:
+            try:
+                self._compiled = (source, _ENV.from_string(source))
+            except jinja2.exceptions.TemplateError as e:
+                raise ChatTemplateError(f"the chat template does not compile: "
+                                        f"{type(e).__name__}: {e}") from None
+        return self._compiled[1]
 
 
 def _token_text(tok) -> str | None:
@@ -61,5 +97,28 @@ def _token_text(tok) -> str | None:
     return tok
 
 
-def _raise(msg: str):
-    raise ValueError(msg)
+def _raise_exception(message) -> None:
+    raise ChatTemplateError(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(str(fmt))
+
+
+def _tojson(x, ensure_ascii: bool = False, indent=None, separators=None,
+            sort_keys: bool = False) -> str:
+    # Hugging Face's tojson: no HTML escaping (jinja2's own escapes <>&' for HTML pages)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _make_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV = _make_env()
