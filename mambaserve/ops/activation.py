@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from mambaserve.ops.dispatch import kernel_path
+
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
     """max(x, 0)² elementwise; any shape (a contiguous copy of x's layout is returned)."""
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if x.is_cuda and triton_available() and x.is_contiguous():
+    if kernel_path("relu2", x.device, x=x) == "triton":
         from mambaserve.ops.triton.activation import relu2_triton
 
         return relu2_triton(x)

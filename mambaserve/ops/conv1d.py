@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mambaserve.ops.dispatch import kernel_path
+
 
 def safe_slots(slots: torch.Tensor, num_slots_with_scratch: int) -> torch.Tensor:
     """Map negative slots to the scratch slot (the last index of the pool)."""
@@ -43,9 +45,7 @@ def causal_conv1d_varlen(
     conv_state_idx:    [num_prefills, K-1] int64 into the extended stream
     returns            [T, conv_dim] silu(conv(x)) (or the raw conv when activation=False)
     """
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if x.is_cuda and triton_available():
+    if kernel_path("causal_conv1d_varlen", x.device, weight=weight) == "triton":
         from mambaserve.ops.triton.conv1d_varlen import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(x, weight, bias, conv_state, state_slots,
@@ -93,9 +93,7 @@ def causal_conv1d_update(
     x: [B, conv_dim]; conv_state: [num_slots + 1, K-1, conv_dim]; state_slots: [B] int32 (negative =
     skip). Returns [B, conv_dim].
     """
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if x.is_cuda and triton_available():
+    if kernel_path("causal_conv1d_update", x.device) == "triton":
         from mambaserve.ops.triton.conv1d_update import causal_conv1d_update_triton
 
         return causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation)

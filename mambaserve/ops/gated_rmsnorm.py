@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mambaserve.ops.dispatch import kernel_path
+
 
 def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
                   eps: float) -> torch.Tensor:
@@ -12,9 +14,7 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_
 
     Returns [T, D] in y.dtype (the weight multiply happens after the cast, as transformers does).
     """
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if y.is_cuda and triton_available():
+    if kernel_path("gated_rmsnorm", y.device) == "triton":
         from mambaserve.ops.triton.gated_rmsnorm import gated_rmsnorm_triton
 
         return gated_rmsnorm_triton(y, z, weight, group_size, eps)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from mambaserve.ops.dispatch import kernel_path
+
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, H_kv, head_dim]; slot_mapping: [T] int64 flat (page * page_size + offset)."""
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if k.is_cuda and triton_available():
+    if kernel_path("write_kv", k.device) == "triton":
         from mambaserve.ops.triton.paged_attention import write_kv_triton
 
         return write_kv_triton(kv_cache, k, v, slot_mapping)
@@ -48,9 +48,7 @@ def paged_attention(
     K/V load: flash-attention style) and the decode tokens to the per-token kernel (one program
     per token and KV head, split over the keys when that is too few programs), each writing its
     rows of one output."""
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if q.is_cuda and triton_available():
+    if kernel_path("paged_attention", q.device) == "triton":
         from mambaserve.ops.triton.paged_attention import paged_attention_triton
 
         Tp = num_prefill_tokens
@@ -59,7 +57,7 @@ def paged_attention(
                                           max_kv_len, scale)
         out = torch.empty_like(q)  # each kernel writes its own rows: no concatenation
         paged_attention_triton(q[:Tp], kv_cache, page_table, token_row[:Tp], positions[:Tp],
-                               max_kv_len, scale, tiled=True, block_m=128, out=out[:Tp])
+                               max_kv_len, scale, tiled=True, out=out[:Tp])
         if Tp < q.shape[0]:
             paged_attention_triton(q[Tp:], kv_cache, page_table, token_row[Tp:], positions[Tp:],
                                    max_kv_len, scale, out=out[Tp:])

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from mambaserve.ops.dispatch import kernel_path
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
@@ -21,9 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     Returns out [T, D] in x.dtype, or (out, s) with s = residual + x when residual is given.
     """
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if x.is_cuda and triton_available():
+    if kernel_path("rms_norm", x.device) == "triton":
         from mambaserve.ops.triton.rmsnorm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from mambaserve.ops.dispatch import kernel_path
+
 
 def rotary_inv_freq(theta: float, rotary_dim: int, device) -> torch.Tensor:
     """[rotary_dim // 2] float32, computed exactly as transformers' default RoPE init."""
@@ -25,16 +27,25 @@ def rotary_inv_freq(theta: float, rotary_dim: int, device) -> torch.Tensor:
     return 1.0 / (float(theta) ** exps)
 
 
+def rotary_cos_sin(positions: torch.Tensor, theta: float,
+                   rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles positions[t] * inv_freq[i]: two [T, rotary_dim // 2] float32
+    tensors (the table both implementations rotate by)."""
+    inv_freq = rotary_inv_freq(theta, rotary_dim, positions.device)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float,
                  rotary_dim: int, neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D]; k: [T, H_kv, D]; positions: [T] int64 absolute positions; rotary_dim even,
     <= D. Returns new (q, k) in their input dtypes."""
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if q.is_cuda and triton_available():
+    if kernel_path("apply_rotary", q.device) == "triton":
         from mambaserve.ops.triton.rotary import apply_rotary_triton
 
-        return apply_rotary_triton(q, k, positions, theta, rotary_dim, neox)
+        _check(q, k, positions, rotary_dim)
+        cos, sin = rotary_cos_sin(positions, theta, rotary_dim)
+        return apply_rotary_triton(q, k, cos, sin, rotary_dim, neox)
     return apply_rotary_ref(q, k, positions, theta, rotary_dim, neox)
 
 
@@ -47,9 +58,8 @@ def _check(q, k, positions, rotary_dim):
 
 def apply_rotary_ref(q, k, positions, theta, rotary_dim, neox=True):
     _check(q, k, positions, rotary_dim)
-    inv_freq = rotary_inv_freq(theta, rotary_dim, q.device)
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
-    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    cos, sin = rotary_cos_sin(positions, theta, rotary_dim)  # [T, rotary_dim / 2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
     half = rotary_dim // 2
 
     def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from mambaserve.ops.conv1d import safe_slots
+from mambaserve.ops.dispatch import kernel_path
 
 
 def selective_state_update(
@@ -26,9 +27,7 @@ def selective_state_update(
     A, D, dt_bias: [H]; B, C: [Bt, G, N]; state_slots: [Bt] int32, negative = skip.
     Returns y [Bt, H, P] in x.dtype.
     """
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if x.is_cuda and triton_available():
+    if kernel_path("selective_state_update", x.device) == "triton":
         from mambaserve.ops.triton.selective_state_update import selective_state_update_triton
 
         return selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit,

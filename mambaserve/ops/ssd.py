@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mambaserve.ops.conv1d import safe_slots
+from mambaserve.ops.dispatch import kernel_path
 
 
 def ssd_chunk_scan_varlen(
@@ -53,11 +54,8 @@ def ssd_chunk_scan_varlen(
     row_num_chunks:    [R] int64 number of chunks of each row (>= 1)
     returns (y [T, H, P] in x.dtype, chunk_end_states [num_chunks, H, P, N] float32)
     """
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    L = chunk_token_idx.shape[1]
-    # the kernel tiles the chunk in power-of-two blocks >= 16; other chunk sizes use the reference
-    if x.is_cuda and triton_available() and L >= 16 and L & (L - 1) == 0:
+    chunk_size = chunk_token_idx.shape[1]
+    if kernel_path("ssd_chunk_scan_varlen", x.device, chunk_size=chunk_size) == "triton":
         from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
 
         return ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state,

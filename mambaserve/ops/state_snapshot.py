@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mambaserve.ops.conv1d import extended_stream, safe_slots
+from mambaserve.ops.dispatch import kernel_path
 
 
 def save_prefill_conv_snapshots(x: torch.Tensor, conv_state: torch.Tensor,
@@ -39,10 +40,8 @@ def save_decode_snapshots(conv_state: torch.Tensor, ssm_state: torch.Tensor,
     bytes and the scratch slot is left alone; the reference below routes rows without one to the
     scratch slot, which is fine for its fixed shapes but moves every row's state.
     """
-    from mambaserve.ops.triton import triton_available  # a spec lookup; does not import triton
-
-    if (conv_state.is_cuda and triton_available() and conv_state[0].is_contiguous()
-            and ssm_state[0].is_contiguous()):
+    if kernel_path("save_decode_snapshots", conv_state.device, conv_state=conv_state,
+                   ssm_state=ssm_state) == "triton":
         from mambaserve.ops.triton.state_copy import copy_state_slots_triton
 
         copy_state_slots_triton(conv_state, state_slots, snap_dst)

@@ -7,6 +7,7 @@ import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.conv1d import causal_conv1d_update_ref
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.conv1d_update import (
     _conv_update_kernel,
     causal_conv1d_update_triton,
@@ -32,7 +33,8 @@ def _check(Bt, Dm, K, dtype, bias=True, activation=True, skip_rows=(), strided=F
     slots = slots.to(DEV)
     st_ref, st = state.clone(), state.clone()
     out_ref = causal_conv1d_update_ref(x, w, b, st_ref, slots, activation)
-    out = causal_conv1d_update_triton(x, w, b, st, slots, activation, **kw)
+    with tuning.override("conv1d_update", **kw):
+        out = causal_conv1d_update_triton(x, w, b, st, slots, activation)
     valid = slots >= 0
     tol = tol or (1e-5 if dtype == torch.float32 else 5e-3)
     assert out.dtype == x.dtype and not torch.isnan(out).any()

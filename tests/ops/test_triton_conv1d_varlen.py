@@ -9,15 +9,18 @@ from triton_env import DEV, require_interpreter  # before anything imports trito
 
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import build_metadata
-from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
+from mambaserve.ops.conv1d import causal_conv1d_varlen, causal_conv1d_varlen_ref
+from mambaserve.ops.dispatch import kernel_path
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.conv1d_varlen import _conv_varlen_kernel, causal_conv1d_varlen_triton
 
 require_interpreter(_conv_varlen_kernel)
 
 
 def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0, tol=None,
-         state_dtype=None, **kw):
-    """rows: (num_tokens, context_len, slot, has_initial_state)."""
+         state_dtype=None, **knobs):
+    """rows: (num_tokens, context_len, slot, has_initial_state); `knobs`: the launcher's `tuning`
+    entry "conv1d_varlen"."""
     gen = torch.Generator().manual_seed(seed)
     plan = Batch(prefills=[Row.standalone([1] * n, ctx, slot, init, [0]) for n, ctx, slot, init in rows],
                      decodes=[])
@@ -41,7 +44,8 @@ def _run(rows, Dm, K, dtype, bias=True, activation=True, nan_fresh=False, seed=0
     # scratch slot instead, even with has_initial_state: give it zeros there
     st_ref[-1] = 0.0
     out_ref = causal_conv1d_varlen_ref(x, w, b, st_ref, *args)
-    out = causal_conv1d_varlen_triton(x, w, b, st, *args, **kw)
+    with tuning.override("conv1d_varlen", **knobs):
+        out = causal_conv1d_varlen_triton(x, w, b, st, *args)
     tol = tol or (1e-5 if dtype == torch.float32 else 5e-3)
     assert out.dtype == x.dtype and not torch.isnan(out).any()
     if dtype == torch.bfloat16:
@@ -103,8 +107,29 @@ def test_conv_varlen_tiles_cross_rows_widths(K):
          block_t=16, block_d=16, state_block_d=16, lookahead=2)
 
 
-def test_conv_varlen_wide_kernel_falls_back():
-    _run(ROWS[:4], 16, 7, torch.float32, nan_fresh=True)  # K > 5: the torch reference
+@pytest.mark.parametrize("K", [6, 7])
+def test_conv_varlen_widths_outside_the_kernel(K):
+    """Widths outside 2..5: the dispatch picks the reference even on CUDA, the launcher refuses
+    them, and the public op (reference here) still matches the reference."""
+    w = torch.zeros(8, K)
+    assert kernel_path("causal_conv1d_varlen", "cuda", weight=w) == "reference"
+    assert kernel_path("causal_conv1d_varlen", "cuda", weight=torch.zeros(8, 4)) == "triton"
+    plan = Batch(prefills=[Row.standalone([1] * 5, 2, 0, True, [0])], decodes=[])
+    meta = build_metadata(plan, chunk_size=16, conv_kernel=K, page_size=1 << 20, scratch_page=0,
+                          device="cpu")
+    gen = torch.Generator().manual_seed(K)
+    x, w = torch.randn(5, 8, generator=gen), torch.randn(8, K, generator=gen)
+    pm = meta.prefill
+    args = (pm.state_slots.to(torch.int32), pm.has_initial_state, pm.conv_window_idx,
+            pm.conv_state_idx)
+    st = torch.randn(2, K - 1, 8, generator=gen)
+    st_ref = st.clone()
+    out = causal_conv1d_varlen(x, w, None, st, *args)
+    assert torch.equal(out, causal_conv1d_varlen_ref(x, w, None, st_ref, *args))
+    assert torch.equal(st, st_ref)
+    with pytest.raises(AssertionError, match="2..5"):
+        causal_conv1d_varlen_triton(x.to(DEV), w.to(DEV), None, st.to(DEV),
+                                    *(a.to(DEV) for a in args))
 
 
 def test_conv_varlen_fp16_fp32_state():

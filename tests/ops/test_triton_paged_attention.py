@@ -18,6 +18,7 @@ from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import build_metadata
 from mambaserve.ops.paged_attention import paged_attention_ref
 from mambaserve.ops.paged_attention import write_kv as write_kv_any
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.paged_attention import (
     _paged_attention_kernel,
     choose_num_splits,
@@ -49,12 +50,14 @@ def _row(n, ctx, slot, pages):
 
 
 def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, max_kv_len=None,
-         split_at_prefill=False, **kw):
+         split_at_prefill=False, tiled=False, **knobs):
     """prefills / decodes: (context_len, new tokens). Writes every cached prefix with one
     forward, then runs the mixed batch; checks the pool and the attention output. `max_kv_len`
     overrides the bound given to the kernel (the reference always gets the metadata's).
     `split_at_prefill`: as the public op on CUDA, the tiled kernel writes the prefill rows and the
-    per-token kernel (with `kw`) the decode rows of one output tensor."""
+    per-token kernel the decode rows of one output tensor. `knobs`: the `tuning` entry of the
+    kernel that runs ("paged_attention_tiled" when `tiled`, else "paged_attention"; with
+    `split_at_prefill` they go to the per-token kernel and the tiled one takes 32-row tiles)."""
     g = torch.Generator().manual_seed(seed)
     reqs = list(prefills) + list(decodes)
     lens = [c + n for c, n in reqs]
@@ -102,15 +105,18 @@ def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, max_kv_len=Non
     if split_at_prefill:
         Tp = meta.num_prefill_tokens
         out = torch.full_like(q, float("nan"))  # every row must be written
-        got = paged_attention_triton(q[:Tp], kv_tri, meta.page_table, meta.token_row[:Tp],
-                                     meta.positions[:Tp], bound, scale, tiled=True, block_m=32,
-                                     out=out[:Tp])
+        with tuning.override("paged_attention_tiled", block_m=32):
+            got = paged_attention_triton(q[:Tp], kv_tri, meta.page_table, meta.token_row[:Tp],
+                                         meta.positions[:Tp], bound, scale, tiled=True,
+                                         out=out[:Tp])
         assert got.data_ptr() == out.data_ptr()
-        paged_attention_triton(q[Tp:], kv_tri, meta.page_table, meta.token_row[Tp:],
-                               meta.positions[Tp:], bound, scale, out=out[Tp:], **kw)
+        with tuning.override("paged_attention", **knobs):
+            paged_attention_triton(q[Tp:], kv_tri, meta.page_table, meta.token_row[Tp:],
+                                   meta.positions[Tp:], bound, scale, out=out[Tp:])
     else:
-        out = paged_attention_triton(q, kv_tri, meta.page_table, meta.token_row, meta.positions,
-                                     bound, scale, **kw)
+        with tuning.override("paged_attention_tiled" if tiled else "paged_attention", **knobs):
+            out = paged_attention_triton(q, kv_tri, meta.page_table, meta.token_row,
+                                         meta.positions, bound, scale, tiled=tiled)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()
     return out, ref
@@ -231,8 +237,9 @@ def test_paged_attention_split_kv_ignores_nan_past_length(num_splits):
             kv[:, pg[j // page_size], j % page_size] = torch.randn(2, Hkv, Dh, generator=g)
     kv = kv.to(DEV)
     q = torch.randn(meta.num_tokens, H, Dh, generator=g).to(DEV)
-    out = paged_attention_triton(q, kv, meta.page_table, meta.token_row, meta.positions,
-                                 meta.max_kv_len, 0.25, num_splits=num_splits)
+    with tuning.override("paged_attention", num_splits=num_splits):
+        out = paged_attention_triton(q, kv, meta.page_table, meta.token_row, meta.positions,
+                                     meta.max_kv_len, 0.25)
     assert torch.isfinite(out).all()
     ref = paged_attention_ref(q, kv.nan_to_num(0.0), meta.page_table, meta.token_row,
                               meta.positions, meta.max_kv_len, 0.25)
@@ -240,12 +247,14 @@ def test_paged_attention_split_kv_ignores_nan_past_length(num_splits):
 
 
 def test_choose_num_splits():
-    assert choose_num_splits(1, 8, 2048, 264) == 8  # 9B decode batch 1: 2048 / 256
-    assert choose_num_splits(1, 8, 131072, 264) == 33  # cdiv(264, 8) programs' worth
-    assert choose_num_splits(4, 8, 8192, 264) == 9
-    assert choose_num_splits(33, 8, 8192, 264) == 1  # 264 programs: already full
-    assert choose_num_splits(1, 8, 100, 264) == 1  # short context: one partition
-    assert choose_num_splits(1, 8, 0, 264) == 1
+    # the tuned min_split_keys (256)
+    keys = tuning.config("paged_attention", "cpu")["min_split_keys"]
+    assert choose_num_splits(1, 8, 2048, 264, keys) == 8  # 9B decode batch 1: 2048 / 256
+    assert choose_num_splits(1, 8, 131072, 264, keys) == 33  # cdiv(264, 8) programs' worth
+    assert choose_num_splits(4, 8, 8192, 264, keys) == 9
+    assert choose_num_splits(33, 8, 8192, 264, keys) == 1  # 264 programs: already full
+    assert choose_num_splits(1, 8, 100, 264, keys) == 1  # short context: one partition
+    assert choose_num_splits(1, 8, 0, 264, keys) == 1
     assert choose_num_splits(1, 2, 512, 264, min_split_keys=32) == 16
 
 

@@ -13,7 +13,8 @@ from triton_env import DEV, require_interpreter  # before anything imports trito
 
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import build_metadata
-from mambaserve.ops.rotary import apply_rotary_ref
+from mambaserve.ops.rotary import apply_rotary_ref, rotary_cos_sin
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.rotary import _rotary_kernel, apply_rotary_triton
 
 require_interpreter(_rotary_kernel)
@@ -31,7 +32,7 @@ def _positions(prefills, decodes):
 POS = ([(0, 6), (1000, 5), (37, 2)], [0, 15, 4095, 777])
 
 
-def _run(H, Hkv, D, rotary_dim, neox, dtype, theta=10000.0, strided=False, seed=0, **kw):
+def _run(H, Hkv, D, rotary_dim, neox, dtype, theta=10000.0, strided=False, seed=0, **knobs):
     g = torch.Generator().manual_seed(seed)
     pos = _positions(*POS)
     T = pos.shape[0]
@@ -44,7 +45,9 @@ def _run(H, Hkv, D, rotary_dim, neox, dtype, theta=10000.0, strided=False, seed=
         k = torch.randn(T, Hkv, D, generator=g).to(dtype).to(DEV)
     q0, k0 = q.clone(), k.clone()
     qr, kr = apply_rotary_ref(q, k, pos, theta, rotary_dim, neox)
-    qt, kt = apply_rotary_triton(q, k, pos, theta, rotary_dim, neox, **kw)
+    cos, sin = rotary_cos_sin(pos, theta, rotary_dim)  # the table the public op passes
+    with tuning.override("rotary", **knobs):
+        qt, kt = apply_rotary_triton(q, k, cos, sin, rotary_dim, neox)
     assert torch.equal(q, q0) and torch.equal(k, k0), "out-of-place: inputs untouched"
     assert qt.dtype == dtype and qt.shape == q.shape and kt.shape == k.shape
     return (qt, kt), (qr, kr)

@@ -12,6 +12,7 @@ import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.selective_state_update import selective_state_update_ref
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.selective_state_update import (
     _ssu_kernel,
     selective_state_update_triton,
@@ -53,7 +54,8 @@ def _check(Bt, H, P, N, G, dtype, state_dtype, dt_limit, skip_rows=(), strided=F
     st_ref = st.clone()
     y_ref = selective_state_update_ref(st_ref, x, dt, A, B, C, D, dtb, dt_limit, slots)
     st_tri = st.clone()
-    y = selective_state_update_triton(st_tri, x, dt, A, B, C, D, dtb, dt_limit, slots, **kw)
+    with tuning.override("selective_state_update", **kw):
+        y = selective_state_update_triton(st_tri, x, dt, A, B, C, D, dtb, dt_limit, slots)
     assert y.dtype == x.dtype and y.shape == x.shape
     valid = slots >= 0
     tol = tol or (1e-5 if dtype == torch.float32 else 2e-3)

@@ -17,6 +17,7 @@ from triton_env import DEV, require_interpreter  # before anything imports trito
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import build_metadata
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen_ref
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.ssd import _chunk_scan_kernel, ssd_chunk_scan_varlen_triton
 
 require_interpreter(_chunk_scan_kernel)
@@ -83,7 +84,8 @@ def _shuffle_tokens(meta, seed):
 
 
 def _run(rows, H, P, N, G, chunk_size, dtype, dt_limit=(0.0, float("inf")), strided=False,
-         seed=0, permute=False, shuffle=False, **kw):
+         seed=0, permute=False, shuffle=False, contiguous_chunks=True, **knobs):
+    """Both implementations on one batch; `knobs`: the launcher's `tuning` entry "ssd"."""
     gen = torch.Generator().manual_seed(seed)
     meta = _meta(rows, chunk_size)
     T = meta.num_prefill_tokens
@@ -98,7 +100,9 @@ def _run(rows, H, P, N, G, chunk_size, dtype, dt_limit=(0.0, float("inf")), stri
             meta.prefill.row_num_chunks)
     st_ref, st_tri = st.clone(), st.clone()
     y_ref, e_ref = ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dtb, dt_limit, st_ref, *args)
-    y, e = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, dt_limit, st_tri, *args, **kw)
+    with tuning.override("ssd", **knobs):
+        y, e = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, dt_limit, st_tri, *args,
+                                            contiguous_chunks=contiguous_chunks)
     assert y.dtype == x.dtype and e.dtype == torch.float32 and e.shape == e_ref.shape
     assert not torch.isnan(y).any() and not torch.isnan(e).any()
     return (y, e, st_tri), (y_ref, e_ref, st_ref), st

@@ -9,6 +9,7 @@ import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.state_snapshot import save_decode_snapshots, save_decode_snapshots_ref
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.state_copy import _copy_slots_kernel, copy_state_slots_triton
 
 require_interpreter(_copy_slots_kernel)
@@ -32,7 +33,8 @@ def test_copy_slots_matches_reference_on_real_slots(dtype, block):
     src = torch.tensor(SRC, dtype=torch.int32, device=DEV)
     dst = torch.tensor(DST, dtype=torch.int64, device=DEV)
     before = pool.clone()
-    copy_state_slots_triton(pool, src, dst, block=block, num_warps=2)
+    with tuning.override("state_copy", block=block, num_warps=2):
+        copy_state_slots_triton(pool, src, dst)
     expect = before.clone()
     for s, d in zip(SRC, DST):
         if s >= 0 and d >= 0:
@@ -76,7 +78,8 @@ def test_bad_pool_and_block_rejected():
     with pytest.raises(AssertionError, match="contiguous"):
         copy_state_slots_triton(pool, idx, idx)
     with pytest.raises(AssertionError, match="power of two"):
-        copy_state_slots_triton(torch.zeros(4, 8, device=DEV), idx, idx, block=48)
+        with tuning.override("state_copy", block=48):
+            copy_state_slots_triton(torch.zeros(4, 8, device=DEV), idx, idx)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")

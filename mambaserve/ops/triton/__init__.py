@@ -1,8 +1,10 @@
-"""Triton kernels for the Mamba2 ops (one module per kernel).
+"""Triton kernels for the ops of `mambaserve.ops` (one module per kernel, launch parameters in
+`tuning`).
 
-Nothing here imports Triton at package import time: the public ops in `mambaserve.ops` call
-`triton_available()` (a spec lookup, no import) and import a launcher lazily, only for CUDA
-tensors. The package therefore imports on machines without Triton.
+Nothing here imports Triton at package import time: `mambaserve.ops.dispatch` decides, with
+`triton_available()` (a spec lookup, no import), whether a public op runs its kernel, and the op
+imports the launcher lazily, only then. The package therefore imports on machines without
+Triton. Modules here import nothing from mambaserve outside this package.
 """
 
 from __future__ import annotations

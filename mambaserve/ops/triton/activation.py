@@ -1,11 +1,14 @@
 """Triton relu²: y = max(x, 0)² in one pass over a contiguous tensor (flat, BLOCK elements per
-program), squared in float32 and rounded once to x.dtype (bit-identical to torch)."""
+program), squared in float32 and rounded once to x.dtype (bit-identical to torch). Launch
+parameters: `tuning` entry "relu2"."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from mambaserve.ops.triton import tuning
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -17,10 +20,13 @@ def _relu2_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, (r * r).to(y_ptr.dtype.element_ty), mask=m)
 
 
-def relu2_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+def relu2_triton(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `mambaserve.ops.activation.relu2`, for a contiguous x."""
     assert x.is_contiguous(), "relu2_triton takes a contiguous tensor"
     y = torch.empty_like(x)
     n = x.numel()
     if n:
-        _relu2_kernel[(triton.cdiv(n, block),)](x, y, n, BLOCK=block, num_warps=num_warps)
+        cfg = tuning.config("relu2", x.device)
+        block = cfg["block"]
+        _relu2_kernel[(triton.cdiv(n, block),)](x, y, n, BLOCK=block, num_warps=cfg["num_warps"])
     return y

@@ -4,6 +4,7 @@ Grid: (rows, cdiv(conv_dim, BLOCK_D)). A program reads the row's K-1 saved input
 `conv_state[slot, :, d-block]` and the new input x, writes out = silu(sum_k w[d, k] * win[k] + b)
 (float32 math) and stores the window shifted by one (the K-1 newest inputs) back into the slot.
 A negative slot skips the row: the pool is neither read nor written and the output row is zero.
+Launch parameters: `tuning` entry "conv1d_update".
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mambaserve.ops.triton import tuning
 
 
 @triton.jit
@@ -51,8 +54,7 @@ def _conv_update_kernel(
     tl.store(out_ptr + row * o_b + offs * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
 
 
-def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation=True, *,
-                                block_d: int = 256, num_warps: int = 4):
+def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation=True):
     """Same contract as `mambaserve.ops.conv1d.causal_conv1d_update`."""
     Bt, Dm = x.shape
     Dw, K = weight.shape
@@ -64,11 +66,13 @@ def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activa
     out = torch.empty((Bt, Dm), dtype=x.dtype, device=x.device)
     if Bt == 0:
         return out
+    cfg = tuning.config("conv1d_update", x.device)
+    block_d = cfg["block_d"]
     grid = (Bt, triton.cdiv(Dm, block_d))
     _conv_update_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_state, state_slots, out, Dm,
         *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
         K=K, HAS_BIAS=bias is not None, SILU=bool(activation), BLOCK_D=block_d,
-        num_warps=num_warps,
+        num_warps=cfg["num_warps"],
     )
     return out

@@ -1,31 +1,10 @@
 """Triton prefill kernel: varlen causal depthwise conv1d over the flat multi-row token stream.
 
-Two launches:
-
-1. `_conv_varlen_kernel`, grid (cdiv(T, BLOCK_T), cdiv(conv_dim, BLOCK_D)): one program walks
-   BLOCK_T consecutive tokens (the tile may span rows) for BLOCK_D channels with a sliding window
-   in registers: it loads the K-1 inputs before the tile once, then per token loads x[t] once
-   (one [BLOCK_D] vector, straight pointer arithmetic on x, no per-tap index gather), computes
-   out = silu(b + sum_k w[:, k] * x[t-K+1+k]) in float32 (oldest tap first), casts once to
-   x.dtype, stores, and shifts the window. Every input is read from memory once (plus a K-1
-   token halo per tile). Row starts come from column 0 of the host-built `conv_window_idx` (one
-   int64 per token): it points into the saved-input part of the extended stream exactly for the
-   first K-1 tokens of a row, and then also gives the row (index // (K-1)) and the token's
-   offset in it (index % (K-1)). Tiles holding no such token (one vector load and a min decide)
-   run the plain loop, statically unrolled with the next LOOKAHEAD inputs loaded ahead; the
-   others run a loop with a scalar branch per token that, for a row's first K-1 tokens, swaps the
-   window values from before the row start for the slot's saved inputs conv_state[slot, u]
-   (masked loads: zero when the row has no initial state or a negative slot, so stale NaNs in a
-   fresh slot cannot leak; cast to x.dtype first, like the reference's extended stream).
-   K is 2..5 (the window is held in named registers); other widths run the torch reference.
-2. `_conv_state_kernel`, grid (rows, cdiv(conv_dim, STATE_BLOCK_D)), launched after 1 (which reads
-   the old states): writes the row's last K-1 inputs into conv_state[slot] (nothing for a
-   negative slot), gathered through `conv_state_idx`. All K-1 values are loaded before a CTA
-   barrier and stored after it, since a row shorter than K-1 tokens moves old saved inputs
-   within its own slot.
-
-`conv_window_idx` must come from `build_metadata` (each window is K consecutive virtual
-positions of its row); only its column 0 is read.
+Two launches: a sliding-window conv over tiles of consecutive tokens (`_conv_varlen_kernel`),
+then the write of each row's last K-1 inputs into its conv-state slot (`_conv_state_kernel`).
+Kernel widths K = 2..5 (`mambaserve.ops.dispatch` sends other widths to the reference). The
+algorithm, grids and measurements are in docs/kernels.md ("Prefill conv"); launch parameters are
+the `tuning` entry "conv1d_varlen".
 """
 
 from __future__ import annotations
@@ -33,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mambaserve.ops.triton import tuning
 
 
 @triton.jit
@@ -216,29 +197,16 @@ def _conv_state_kernel(
 
 
 def causal_conv1d_varlen_triton(x, weight, bias, conv_state, state_slots, has_initial_state,
-                                conv_window_idx, conv_state_idx, activation=True, *,
-                                block_t: int = 16, block_d: int = 512, num_warps: int = 4,
-                                lookahead: int = 4, unroll: bool = True,
-                                state_block_d: int = 256):
-    """Same contract as `mambaserve.ops.conv1d.causal_conv1d_varlen`; widths outside 2..5 run the
-    torch reference.
-
-    Knobs: `block_t` tokens x `block_d` channels (powers of two) per program of the conv launch,
-    with `num_warps` warps; `lookahead` (0..4) inputs loaded ahead in the unrolled loop;
-    `unroll=False` runs that loop as a runtime loop (for large `block_t`); `state_block_d`
-    channels per program of the state-write launch.
-    """
+                                conv_window_idx, conv_state_idx, activation=True):
+    """Same contract as `mambaserve.ops.conv1d.causal_conv1d_varlen`, for widths K = 2..5 (the
+    window is held in named registers). `conv_window_idx` must come from `build_metadata` (each
+    window is K consecutive virtual positions of its row); only its column 0 is read."""
     T, Dm = x.shape
     Dw, K = weight.shape
     _, K1, Ds = conv_state.shape
     R = state_slots.shape[0]
     assert Dw == Dm and Ds == Dm and K1 == K - 1, (x.shape, weight.shape, conv_state.shape)
-    if not 2 <= K <= 5:  # the kernel holds the window in named registers
-        from mambaserve.ops.conv1d import causal_conv1d_varlen_ref
-
-        return causal_conv1d_varlen_ref(x, weight, bias, conv_state, state_slots,
-                                        has_initial_state, conv_window_idx, conv_state_idx,
-                                        activation)
+    assert 2 <= K <= 5, f"conv width {K}: the kernel takes 2..5"
     assert has_initial_state.shape == (R,) and conv_state_idx.shape == (R, K1)
     assert conv_window_idx.shape == (T, K)
     assert bias is None or (bias.shape == (Dm,) and bias.is_contiguous())
@@ -247,6 +215,8 @@ def causal_conv1d_varlen_triton(x, weight, bias, conv_state, state_slots, has_in
     out = torch.empty((T, Dm), dtype=x.dtype, device=x.device)
     if T == 0 or R == 0:
         return out
+    cfg = tuning.config("conv1d_varlen", x.device)
+    block_t, block_d, state_block_d = cfg["block_t"], cfg["block_d"], cfg["state_block_d"]
     RK1 = R * K1
     _conv_varlen_kernel[(triton.cdiv(T, block_t), triton.cdiv(Dm, block_d))](
         x, weight, bias if bias is not None else weight, conv_state, state_slots,
@@ -254,11 +224,12 @@ def causal_conv1d_varlen_triton(x, weight, bias, conv_state, state_slots, has_in
         *x.stride(), *weight.stride(), *conv_state.stride(), conv_window_idx.stride(0),
         *out.stride(),
         K=K, HAS_BIAS=bias is not None, SILU=bool(activation), BLOCK_T=block_t, BLOCK_D=block_d,
-        UNROLL=unroll, LOOKAHEAD=lookahead, num_warps=num_warps,
+        UNROLL=bool(cfg["unroll"]), LOOKAHEAD=cfg["lookahead"], num_warps=cfg["num_warps"],
     )
     _conv_state_kernel[(R, triton.cdiv(Dm, state_block_d))](
         x, conv_state, state_slots, has_initial_state, conv_state_idx, Dm, RK1,
         *x.stride(), *conv_state.stride(), conv_state_idx.stride(0),
-        K1=K1, K1_PAD=triton.next_power_of_2(K1), BLOCK_D=state_block_d, num_warps=4,
+        K1=K1, K1_PAD=triton.next_power_of_2(K1), BLOCK_D=state_block_d,
+        num_warps=cfg["state_num_warps"],
     )
     return out

@@ -2,7 +2,8 @@
 
 Grid: (tokens, groups). One program normalizes one group of `group_size` channels of one token in
 float32 (BLOCK = next power of two >= group_size, masked), casts to y.dtype and multiplies by the
-weight in the dtype torch would promote to, exactly as the reference does.
+weight in the dtype torch would promote to, exactly as the reference does. Launch parameters:
+`tuning` entry "gated_rmsnorm".
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mambaserve.ops.triton import tuning
 
 
 @triton.jit
@@ -32,7 +35,7 @@ def _gated_rmsnorm_kernel(
     tl.store(out_ptr + t * o_t + offs * o_d, (h * w).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def gated_rmsnorm_triton(y, z, weight, group_size, eps, *, num_warps: int | None = None):
+def gated_rmsnorm_triton(y, z, weight, group_size, eps):
     """Same contract as `mambaserve.ops.gated_rmsnorm.gated_rmsnorm`."""
     T, Dm = y.shape
     assert z.shape == (T, Dm) and weight.shape == (Dm,), (y.shape, z.shape, weight.shape)
@@ -43,6 +46,7 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps, *, num_warps: int | None
     if T == 0:
         return out
     BLOCK = triton.next_power_of_2(group_size)
+    num_warps = tuning.config("gated_rmsnorm", y.device)["num_warps"]
     if num_warps is None:
         num_warps = max(1, min(8, BLOCK // 256))
     grid = (T, Dm // group_size)

@@ -23,6 +23,9 @@ num_splits), BLOCK_N), min_split) is computed in the kernel from the token's own
 partitions, and the partitions cover every key even if `max_kv_len` is too small. Each program
 writes its partial max, sum and unnormalized fp32 accumulator to scratch; a combine kernel, grid
 (T, H), merges the partitions with log-sum-exp rescaling (empty partitions: m = -inf, weight 0).
+
+Launch parameters: `tuning` entries "paged_attention" (per-token kernel) and
+"paged_attention_tiled" (tiled kernel).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from mambaserve.ops.triton import tuning
 
 
 @triton.jit
@@ -237,7 +242,6 @@ def _paged_attention_tiled_kernel(
 
 
 _TARGET_PROGRAMS_CPU = 264  # 2 x the H200's 132 SMs; what the launcher assumes off CUDA
-MIN_SPLIT_KEYS = 256  # default `min_split_keys`: the heuristic's smallest partition
 
 
 @functools.cache
@@ -254,7 +258,7 @@ def _target_programs(device: torch.device) -> int:
 
 
 def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
-                      min_split_keys: int = MIN_SPLIT_KEYS) -> int:
+                      min_split_keys: int) -> int:
     """Key partitions per (token, KV head) for the per-token kernel, from host ints only: 1 when
     T * H_kv programs already fill the GPU (>= target_programs), else enough partitions to reach
     target_programs, but no more than max_kv_len / min_split_keys."""
@@ -266,28 +270,25 @@ def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
 
 
 def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv_len, scale, *,
-                           tiled: bool = False, block_m: int = 64, block_n: int | None = None,
-                           num_warps: int | None = None, num_splits: int | None = None,
-                           min_split_keys: int = MIN_SPLIT_KEYS, out: torch.Tensor | None = None):
+                           tiled: bool = False, out: torch.Tensor | None = None):
     """Same contract as `mambaserve.ops.paged_attention.paged_attention`. Each token's keys stop
     at its own position; `max_kv_len` only sizes the split-KV grid (a smaller value than the
     real lengths costs speed, not correctness).
 
-    Per-token kernel (default): `num_splits` key partitions per (token, KV head); None = the
-    heuristic `choose_num_splits(T, H_kv, max_kv_len, ~2 x SMs, min_split_keys)`, 1 = the
-    single-pass kernel. With > 1, a token's partition size is computed on the device from its
-    position (at least `min_split_keys` rounded up to BLOCK_N under the heuristic, BLOCK_N when
-    `num_splits` is given), then a combine kernel merges the partitions. Host ints only: no
-    sync, CUDA-graph capturable.
+    `tiled=False`: the per-token kernel. Its `num_splits` knob is the number of key partitions
+    per (token, KV head): None = the heuristic `choose_num_splits(T, H_kv, max_kv_len, ~2 x SMs,
+    min_split_keys)`, 1 = the single-pass kernel. With > 1, a token's partition size is computed
+    on the device from its position (at least `min_split_keys` rounded up to BLOCK_N under the
+    heuristic, BLOCK_N when `num_splits` is set), then a combine kernel merges the partitions.
+    Host ints only: no sync, CUDA-graph capturable.
 
-    `out`: write into this [T, H, head_dim] tensor (any strides, e.g. a row slice of a mixed
-    batch's output) instead of a new one; it is returned.
-
-    `tiled=True` selects the prefill-oriented kernel: one program per block of
+    `tiled=True`: the prefill-oriented kernel, one program per block of
     max(1, block_m // (H / H_kv)) consecutive tokens and one KV head, so a prefill row's K/V is
     read once per token block instead of once per token. The public op sends prefill tokens here
-    (with block_m=128, the fastest in the H200 sweep of docs/kernels.md) and decode tokens, one
-    per row, to the per-token kernel, which has more parallelism for them."""
+    and decode tokens, one per row, to the per-token kernel, which has more parallelism for them.
+
+    `out`: write into this [T, H, head_dim] tensor (any strides, e.g. a row slice of a mixed
+    batch's output) instead of a new one; it is returned."""
     T, H, Dh = q.shape
     _, _, page_size, Hkv, Dk = kv_cache.shape
     assert Dk == Dh and H % Hkv == 0, (q.shape, kv_cache.shape)
@@ -298,15 +299,15 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
     if T == 0:
         return out
     rep = H // Hkv
+    cfg = tuning.config("paged_attention_tiled" if tiled else "paged_attention", q.device)
+    block_n, num_warps = cfg["block_n"], cfg["num_warps"]
     BLOCK_G = max(16, triton.next_power_of_2(rep))
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
     BLOCK_N = block_n or max(16, min(64, triton.next_power_of_2(page_size)))
     IP = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     if tiled:
-        BLOCK_M = max(16, triton.next_power_of_2(block_m), triton.next_power_of_2(rep))
+        BLOCK_M = max(16, triton.next_power_of_2(cfg["block_m"]), triton.next_power_of_2(rep))
         tpb = max(1, BLOCK_M // rep)
-        if num_warps is None:
-            num_warps = 4
         _paged_attention_tiled_kernel[(triton.cdiv(T, tpb), Hkv)](
             q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh, rep,
             T, tpb, *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
@@ -315,6 +316,7 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
         return out
     if num_warps is None:
         num_warps = 4 if BLOCK_D * BLOCK_N >= 4096 else 2
+    num_splits, min_split_keys = cfg["num_splits"], cfg["min_split_keys"]
     if num_splits is None:
         ns = choose_num_splits(T, Hkv, int(max_kv_len), _target_programs(q.device),
                                min_split_keys)

@@ -8,7 +8,7 @@ pass fits the hidden sizes in use (Nemotron-H: 4480 -> BLOCK_D 8192, 32 fp32 val
 and tensor at 8 warps); the launcher refuses rows wider than 32K.
 
 The launcher reads no device value (shapes and strides only) and allocates with torch.empty, so
-it can be captured in a CUDA graph.
+it can be captured in a CUDA graph. Launch parameters: `tuning` entry "rms_norm".
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mambaserve.ops.triton import tuning
 
 # 64 fp32 values per thread and tensor at 16 warps; wider rows would need a looped two-pass kernel
 _MAX_BLOCK_D = 32768
@@ -49,7 +51,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + t * o_t + offs, (w * h).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rms_norm_triton(x, weight, eps, residual=None, *, num_warps: int | None = None):
+def rms_norm_triton(x, weight, eps, residual=None):
     """Same contract as `mambaserve.ops.rmsnorm.rms_norm`; outputs are contiguous."""
     assert x.dim() == 2, x.shape
     T, D = x.shape
@@ -63,6 +65,7 @@ def rms_norm_triton(x, weight, eps, residual=None, *, num_warps: int | None = No
         return out if s is None else (out, s)
     BLOCK_D = triton.next_power_of_2(D)
     assert BLOCK_D <= _MAX_BLOCK_D, f"rms_norm_triton: row of {D} too wide for one pass"
+    num_warps = tuning.config("rms_norm", x.device)["num_warps"]
     if num_warps is None:
         # at most 16 values per thread and tensor up to 4096, 32 at 8192 (Nemotron-H's 4480),
         # then 16 warps; a guess, not swept

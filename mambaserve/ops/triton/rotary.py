@@ -1,12 +1,14 @@
-"""Triton rotary embedding (same contract as `mambaserve.ops.rotary.apply_rotary`; OUT-OF-PLACE:
-returns new contiguous q and k, inputs are not modified).
+"""Triton rotary embedding: rotates q and k by a given cos/sin table (OUT-OF-PLACE: returns new
+contiguous q and k, inputs are not modified).
 
-The launcher computes the [T, rotary_dim / 2] float32 cos/sin table with torch on the device,
-exactly as the reference does (a few small ops, no host read-back, so bit-identical angles and no
-dependence on how the GPU backend lowers tl.cos / tl.sin for angles of thousands of radians).
+The caller (`mambaserve.ops.rotary.apply_rotary`) builds the [T, rotary_dim / 2] float32 cos/sin
+table with torch, exactly as the reference does, so the angles are bit-identical and nothing
+depends on how the GPU backend lowers tl.cos / tl.sin for angles of thousands of radians; any RoPE
+variant that only changes the table runs the same kernel.
 Grid: (tokens, head blocks), launched once for q and once for k. One program rotates the pairs of
 BLOCK_H heads of one token (NeoX: channel i with i + rotary_dim/2; GPT-J: 2i with 2i + 1) in
-float32 and copies the channels past rotary_dim unchanged.
+float32 and copies the channels past rotary_dim unchanged. Launch parameters: `tuning` entry
+"rotary".
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mambaserve.ops.rotary import _check, rotary_inv_freq
+from mambaserve.ops.triton import tuning
 
 
 @triton.jit
@@ -62,7 +64,7 @@ def _launch(x, cos, sin, rotary_dim, neox, block_h):
         return out
     half = rotary_dim // 2
     rest = D - rotary_dim
-    BLOCK_H = block_h or min(16, triton.next_power_of_2(H))
+    BLOCK_H = block_h if block_h is not None else min(16, triton.next_power_of_2(H))
     BLOCK_HALF = triton.next_power_of_2(half)
     BLOCK_REST = triton.next_power_of_2(rest) if rest > 0 else 0
     BLOCK_REST = min(BLOCK_REST, 64)
@@ -75,12 +77,16 @@ def _launch(x, cos, sin, rotary_dim, neox, block_h):
     return out
 
 
-def apply_rotary_triton(q, k, positions, theta, rotary_dim, neox=True, *,
-                        block_h: int | None = None):
-    """Same contract as `mambaserve.ops.rotary.apply_rotary` (out-of-place)."""
-    _check(q, k, positions, rotary_dim)
-    inv_freq = rotary_inv_freq(theta, rotary_dim, q.device)
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2], as the ref
-    cos, sin = freqs.cos(), freqs.sin()
+def apply_rotary_triton(q, k, cos, sin, rotary_dim, neox=True):
+    """q: [T, H, D]; k: [T, H_kv, D]; cos, sin: [T, rotary_dim / 2] float32 (the angles of each
+    token's position); rotary_dim even, <= D. Returns new (q, k) in their input dtypes."""
+    T, _, D = q.shape
+    half = rotary_dim // 2
+    assert k.shape[0] == T and k.shape[2] == D, (q.shape, k.shape)
+    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= D, (rotary_dim, D)
+    for t in (cos, sin):
+        assert t.shape == (T, half) and t.dtype == torch.float32 and t.is_contiguous(), (
+            t.shape, t.dtype, q.shape)
+    block_h = tuning.config("rotary", q.device)["block_h"]
     return (_launch(q, cos, sin, rotary_dim, neox, block_h),
             _launch(k, cos, sin, rotary_dim, neox, block_h))

@@ -4,6 +4,7 @@ Grid: (rows, heads, cdiv(head_dim, BLOCK_P)). Each program owns a [BLOCK_P, N] t
 state: it reads the tile once from `ssm_state[slot]` (any float dtype, math in float32), updates
 it, writes it back, and reduces it against C for y. B/C of head h come from group h // (H / G).
 A negative slot skips the row: nothing is read from or written to the pool and y is zero.
+Launch parameters: `tuning` entry "selective_state_update".
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import softplus_clamp
 
 
@@ -64,8 +66,7 @@ def _ssu_kernel(
              mask=offs_p < P)
 
 
-def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit, state_slots,
-                                  *, block_p: int | None = None, num_warps: int | None = None):
+def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit, state_slots):
     """Same contract as `mambaserve.ops.selective_state_update.selective_state_update`."""
     Bt, H, P = x.shape
     _, H2, P2, N = ssm_state.shape
@@ -82,6 +83,8 @@ def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limi
     if Bt == 0:
         return y
     BLOCK_N = triton.next_power_of_2(N)
+    cfg = tuning.config("selective_state_update", x.device)
+    block_p, num_warps = cfg["block_p"], cfg["num_warps"]
     if block_p is None:
         block_p = max(1, min(triton.next_power_of_2(P), 4096 // BLOCK_N, 16))
     if num_warps is None:

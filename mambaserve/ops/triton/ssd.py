@@ -1,38 +1,12 @@
 """Triton SSD (Mamba2) chunked scan over the flat multi-row prefill stream.
 
-Same chunk plan as the reference (`mambaserve.ops.ssd`): chunks are cut at absolute multiples of
-chunk_size, never span rows, and are described by host-built metadata (`chunk_token_idx`,
-`row_chunks`, `row_num_chunks`); a chunk's tokens sit at its first positions, padding (= T) after
-them. By default (`contiguous_chunks=True`) the kernels also rely on what build_metadata's plans
-guarantee: a chunk's tokens are consecutive in the stream (rows are contiguous runs and chunks
-split rows), so a chunk is addressed from its first token `chunk_token_idx[c, 0]` without a
-per-token gather; `contiguous_chunks=False` gathers every token through `chunk_token_idx`.
-Four launches, in this order:
-
-0. `_chunk_dt_kernel`, grid (cdiv(H, BLOCK_H), chunks): dt = clamp(softplus(dt + dt_bias)) (0 on
-   padding) and cum = cumsum(dt * A) once per chunk and head, into [chunks, H, L] float32 buffers,
-   plus the number of tokens of each chunk. Everything after reads these.
-S. `_chunk_state_passing_kernel`, grid (cdiv(P, BLOCK_P) * cdiv(N, BLOCK_N), H, rows): one
-   program walks a row's chunks in order for one tile of one head's state, starting from the
-   row's initial state (slot state if has_initial_state and slot >= 0, else zero):
-   S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B, the whole chunk in one dot,
-   S kept in registers. Each chunk's true end state is stored once into the returned
-   `chunk_end_states` (no chunk-local state written and read back), the last one into
-   ssm_state[slot] (skipped for a negative slot). A used initial state is first copied into the
-   rows' part of the state buffer (past the chunks' part: the slot is overwritten), and one
-   program per row records for every chunk where its start state lives: the previous chunk's
-   end state, the row's copied initial state, or none (zero).
-CB. `_chunk_cb_kernel`, grid (nb * (nb + 1) / 2, G, chunks), nb = L / BLOCK_CB: C·Bᵀ once per
-   chunk and group, lower-triangle [BLOCK_CB, BLOCK_CB] tiles of a [chunks, G, L, L] float32
-   buffer, shared by the H/G heads of the group.
-C. `_chunk_scan_kernel`, grid (cdiv(L, BLOCK_M) * cdiv(P, BLOCK_P), H, chunks): one
-   [BLOCK_M, BLOCK_P] output tile,
-   y = exp(cum[l]) · C · S_startᵀ
-       + Σ_{source blocks up to the tile's last row} (CB ∘ exp(cum[l] - cum[s]) [s<=l] ∘ dt[s]) · x
-       + D x,
-   skipping row tiles past the chunk's length, source blocks above the tile's last row and the
-   inter-chunk term when the start state is zero.
-Dot operands are in x.dtype with float32 accumulation; float32 inputs use IEEE dots.
+Same chunk plan as the reference (`mambaserve.ops.ssd`): chunks cut at absolute multiples of
+chunk_size, never spanning rows, described by host-built metadata. Four launches in order: dt and
+its cumulative sum per chunk (0), state passing along each row's chunks (S), C·Bᵀ per chunk and
+group (CB), and the output tiles (C). `SsdScan` holds one scan's buffers and its launches as
+separate methods (a benchmark can time a prefix of them); `ssd_chunk_scan_varlen_triton` runs
+them all. The algorithm, grids, buffers and measurements are in docs/kernels.md ("SSD chunked
+scan"); launch parameters are the `tuning` entry "ssd".
 """
 
 from __future__ import annotations
@@ -41,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import softplus_clamp
 
 
@@ -112,7 +87,7 @@ def _chunk_state_passing_kernel(
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     IP: tl.constexpr, CONTIG: tl.constexpr,
 ):
-    """Launch S (module docstring): walks one row's chunks in order for a [BLOCK_P, BLOCK_N]
+    """Launch S (docs/kernels.md): walks one row's chunks in order for a [BLOCK_P, BLOCK_N]
     tile of one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B,
     keeping S in registers; each chunk's true end state is stored once."""
     num_nb = tl.cdiv(N, BLOCK_N)
@@ -303,121 +278,151 @@ def _check_block(name: str, v: int, hi: int | None = None):
     assert hi is None or v <= hi, f"{name} must be <= {hi}, got {v}"
 
 
+class SsdScan:
+    """One chunked scan: its inputs checked, launch parameters resolved (`tuning` entry "ssd",
+    None knobs from the shapes) and buffers allocated on construction; `launches` are the four
+    launches in the order they must run, and `run()` makes them all.
+
+    Arguments as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`, plus `contiguous_chunks`: True
+    (default) assumes each chunk's tokens are consecutive in the stream (true of every
+    build_metadata plan) and addresses them from the chunk's first token; False gathers each
+    token through chunk_token_idx (any plan).
+    """
+
+    def __init__(self, x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
+                 has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks, row_num_chunks,
+                 *, contiguous_chunks: bool = True):
+        T, H, P = x.shape
+        G, N = B.shape[1], B.shape[2]
+        num_chunks, L = chunk_token_idx.shape
+        R = row_chunks.shape[0]
+        assert dt.shape == (T, H) and B.shape == (T, G, N) and C.shape == (T, G, N)
+        assert A.shape == (H,) and D.shape == (H,) and dt_bias.shape == (H,)
+        assert A.is_contiguous() and D.is_contiguous() and dt_bias.is_contiguous()
+        assert H % G == 0, "heads must split evenly over groups"
+        assert ssm_state.shape[1:] == (H, P, N), (ssm_state.shape, x.shape, B.shape)
+        assert state_slots.shape == (R,) and has_initial_state.shape == (R,)
+        assert row_num_chunks.shape == (R,) and token_chunk_pos.shape == (T,)
+        assert L >= 16 and L & (L - 1) == 0, "chunk_size must be a power of two >= 16"
+        for t in (state_slots, has_initial_state, chunk_token_idx, row_chunks, row_num_chunks):
+            assert t.is_contiguous()
+        self.x, self.dt, self.A, self.B, self.C, self.D = x, dt, A, B, C, D
+        self.dt_bias, self.ssm_state, self.state_slots = dt_bias, ssm_state, state_slots
+        self.has_initial_state, self.chunk_token_idx = has_initial_state, chunk_token_idx
+        self.row_chunks, self.row_num_chunks = row_chunks, row_num_chunks
+        self.contig = bool(contiguous_chunks)
+        self.T, self.H, self.P, self.N, self.G, self.L, self.R = T, H, P, N, G, L, R
+        self.num_chunks = num_chunks
+        self.dt_lo, self.dt_hi = float(dt_limit[0]), float(dt_limit[1])
+
+        k = tuning.config("ssd", x.device)
+        self.bh = k["block_h_dt"] or min(32, triton.next_power_of_2(H))
+        self.warps_dt = k["num_warps_dt"]
+        self.bps = k["block_p_state"]
+        self.bns = k["block_n_state"] or _pow2_at_most(N, 128)
+        self.bls = k["block_l_state"] or L
+        self.warps_state, self.stages_state = k["num_warps_state"], k["num_stages_state"]
+        self.bcb = k["block_cb"] or min(L, 64)
+        self.bkcb = k["block_k_cb"] or _pow2_at_most(N, 128)
+        self.warps_cb = k["num_warps_cb"]
+        self.bm = k["block_m_scan"] or min(L, 64)
+        self.bpc = k["block_p_scan"] or _pow2_at_most(P, 128)
+        self.bk = k["block_k_scan"]
+        self.bnc = k["block_n_scan"] or _pow2_at_most(N, 128)
+        self.warps_scan, self.stages_scan = k["num_warps_scan"], k["num_stages_scan"]
+        for name, v, hi in (("block_p_state", self.bps, None), ("block_n_state", self.bns, None),
+                            ("block_l_state", self.bls, L), ("block_cb", self.bcb, L),
+                            ("block_k_cb", self.bkcb, None), ("block_m_scan", self.bm, L),
+                            ("block_p_scan", self.bpc, None), ("block_k_scan", self.bk, L),
+                            ("block_n_scan", self.bnc, None)):
+            _check_block(name, v, hi)
+        self.ip = "ieee" if x.dtype == torch.float32 else "tf32"
+        self.cdt = tl.float32 if x.dtype == torch.float32 else (
+            tl.float16 if x.dtype == torch.float16 else tl.bfloat16)
+
+        dev = x.device
+        self.y = torch.empty((T, H, P), dtype=x.dtype, device=dev)
+        # chunk end states, then one initial state per row (written by S for rows that use one)
+        self.states = torch.empty((num_chunks + R, H, P, N), dtype=torch.float32, device=dev)
+        self.end_states = self.states[:num_chunks]
+        self.empty = num_chunks == 0 or T == 0
+        if self.empty:
+            return
+        f32 = {"dtype": torch.float32, "device": dev}
+        self.dt_c = torch.empty((num_chunks, H, L), **f32)
+        self.cum = torch.empty((num_chunks, H, L), **f32)
+        self.clen = torch.empty((num_chunks,), dtype=torch.int32, device=dev)
+        self.chunk_src = torch.empty((num_chunks,), dtype=torch.int64, device=dev)
+        self.cb = torch.empty((num_chunks, G, L, L), **f32)
+
+    @property
+    def launches(self) -> tuple[tuple[str, object], ...]:
+        """(name, launch) pairs in the order they must run; none for an empty batch."""
+        if self.empty:
+            return ()
+        return (("dt", self.launch_dt), ("state", self.launch_state), ("cb", self.launch_cb),
+                ("scan", self.launch_scan))
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every launch in order; returns (y, chunk_end_states)."""
+        for _, launch in self.launches:
+            launch()
+        return self.y, self.end_states
+
+    def launch_dt(self) -> None:
+        """0: dt = clamp(softplus(dt + dt_bias)) and cum = cumsum(dt A) per chunk, chunk lengths."""
+        cti, dt = self.chunk_token_idx, self.dt
+        _chunk_dt_kernel[(triton.cdiv(self.H, self.bh), self.num_chunks)](
+            cti, dt, self.dt_bias, self.A, self.dt_c, self.cum, self.clen,
+            self.T, self.H, self.dt_lo, self.dt_hi, cti.stride(0), *dt.stride(),
+            L=self.L, BLOCK_H=self.bh, num_warps=self.warps_dt,
+        )
+
+    def launch_state(self) -> None:
+        """S: every chunk's end state, each row's final state into its slot."""
+        x, B, cti, ssm = self.x, self.B, self.chunk_token_idx, self.ssm_state
+        P, N = self.P, self.N
+        _chunk_state_passing_kernel[(triton.cdiv(P, self.bps) * triton.cdiv(N, self.bns),
+                                     self.H, self.R)](
+            x, B, cti, self.dt_c, self.cum, self.clen, self.states, self.chunk_src,
+            ssm, self.state_slots, self.has_initial_state, self.row_chunks, self.row_num_chunks,
+            self.num_chunks, self.H, P, N, self.H // self.G,
+            *x.stride(), *B.stride(), cti.stride(0), *ssm.stride(), self.row_chunks.stride(0),
+            L=self.L, BLOCK_P=self.bps, BLOCK_N=self.bns, BLOCK_L=self.bls, IP=self.ip,
+            CONTIG=self.contig, num_warps=self.warps_state, num_stages=self.stages_state,
+        )
+
+    def launch_cb(self) -> None:
+        """CB: C·Bᵀ per chunk and group (lower-triangle tiles)."""
+        B, C, cti = self.B, self.C, self.chunk_token_idx
+        nb = self.L // self.bcb
+        _chunk_cb_kernel[(nb * (nb + 1) // 2, self.G, self.num_chunks)](
+            B, C, cti, self.clen, self.cb,
+            self.G, self.N, *B.stride(), *C.stride(), cti.stride(0),
+            L=self.L, BLOCK=self.bcb, BLOCK_K=self.bkcb, IP=self.ip, CDT=self.cdt,
+            CONTIG=self.contig, num_warps=self.warps_cb,
+        )
+
+    def launch_scan(self) -> None:
+        """C: the output tiles, y = inter-chunk + intra-chunk terms + D x."""
+        x, C, y, cti = self.x, self.C, self.y, self.chunk_token_idx
+        _chunk_scan_kernel[(triton.cdiv(self.L, self.bm) * triton.cdiv(self.P, self.bpc), self.H,
+                            self.num_chunks)](
+            x, C, self.D, cti, self.dt_c, self.cum, self.clen, self.cb, self.states,
+            self.chunk_src, y,
+            self.H, self.P, self.N, self.G, self.H // self.G,
+            *x.stride(), *C.stride(), *y.stride(), cti.stride(0),
+            L=self.L, BLOCK_M=self.bm, BLOCK_P=self.bpc, BLOCK_K=self.bk, BLOCK_N=self.bnc,
+            IP=self.ip, CONTIG=self.contig, ONE_N_BLOCK=self.bnc >= self.N,
+            num_warps=self.warps_scan, num_stages=self.stages_scan,
+        )
+
+
 def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                                  has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks,
-                                 row_num_chunks, *,
-                                 block_p_state: int | None = None,
-                                 block_n_state: int | None = None,
-                                 block_l_state: int | None = None,
-                                 num_warps_state: int = 4, num_stages_state: int = 1,
-                                 block_cb: int | None = None, block_k_cb: int | None = None,
-                                 num_warps_cb: int = 4,
-                                 block_m_scan: int | None = None,
-                                 block_p_scan: int | None = None,
-                                 block_k_scan: int | None = None,
-                                 block_n_scan: int | None = None,
-                                 num_warps_scan: int = 4, num_stages_scan: int = 3,
-                                 contiguous_chunks: bool = True,
-                                 _stop_after: str | None = None):
-    """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`.
-
-    Keyword-only tuning knobs (None = default): block sizes are powers of two >= 16.
-      launch S: block_p_state (64), block_n_state (min(N, 128)), block_l_state (L: the whole
-                chunk in one dot; smaller loops over token blocks), num_warps_state,
-                num_stages_state;
-      launch CB: block_cb (min(L, 64)), block_k_cb (N block, min(N, 128)), num_warps_cb;
-      launch C: block_m_scan (min(L, 64)), block_p_scan (P rounded up to a power of two, at most
-                128), block_k_scan (source block, 16), block_n_scan (N block of the inter-chunk
-                dot, min(N, 128)), num_warps_scan (4), num_stages_scan (3).
-      contiguous_chunks: True (default) assumes each chunk's tokens are consecutive in the stream
-                (true of every build_metadata plan) and addresses them from the chunk's first
-                token; False gathers each token through chunk_token_idx (any plan).
-    Defaults come from H200 sweeps (docs/kernels.md).
-    `_stop_after` ("dt", "state" or "cb") stops after that launch: per-launch timing only.
-    """
-    T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    num_chunks, L = chunk_token_idx.shape
-    R = row_chunks.shape[0]
-    assert dt.shape == (T, H) and B.shape == (T, G, N) and C.shape == (T, G, N)
-    assert A.shape == (H,) and D.shape == (H,) and dt_bias.shape == (H,)
-    assert A.is_contiguous() and D.is_contiguous() and dt_bias.is_contiguous()
-    assert H % G == 0, "heads must split evenly over groups"
-    assert ssm_state.shape[1:] == (H, P, N), (ssm_state.shape, x.shape, B.shape)
-    assert state_slots.shape == (R,) and has_initial_state.shape == (R,)
-    assert row_num_chunks.shape == (R,) and token_chunk_pos.shape == (T,)
-    assert L >= 16 and L & (L - 1) == 0, "chunk_size must be a power of two >= 16"
-    for t in (state_slots, has_initial_state, chunk_token_idx, row_chunks, row_num_chunks):
-        assert t.is_contiguous()
-    dev = x.device
-    y = torch.empty((T, H, P), dtype=x.dtype, device=dev)
-    # chunk end states, then one initial state per row (written by B for rows that use one)
-    states = torch.empty((num_chunks + R, H, P, N), dtype=torch.float32, device=dev)
-    end_states = states[:num_chunks]
-    if num_chunks == 0 or T == 0:
-        return y, end_states
-
-    bps = block_p_state or 64
-    bns = block_n_state or _pow2_at_most(N, 128)
-    bls = block_l_state or L
-    bcb = block_cb or min(L, 64)
-    bkcb = block_k_cb or _pow2_at_most(N, 128)
-    # H200 sweep (docs/kernels.md): 64-row tiles with all of P (80 -> 128) in one block, so each
-    # program builds its decay-weighted scores once; 16-token source blocks, 4 warps, 3 stages
-    bm = block_m_scan or min(L, 64)
-    bpc = block_p_scan or _pow2_at_most(P, 128)
-    bk = block_k_scan or 16
-    bnc = block_n_scan or _pow2_at_most(N, 128)
-    for name, v, hi in (("block_p_state", bps, None), ("block_n_state", bns, None),
-                        ("block_l_state", bls, L), ("block_cb", bcb, L), ("block_k_cb", bkcb, None),
-                        ("block_m_scan", bm, L),
-                        ("block_p_scan", bpc, None), ("block_k_scan", bk, L),
-                        ("block_n_scan", bnc, None)):
-        _check_block(name, v, hi)
-    IP = "ieee" if x.dtype == torch.float32 else "tf32"
-    lo, hi_ = float(dt_limit[0]), float(dt_limit[1])
-    f32 = {"dtype": torch.float32, "device": dev}
-    dt_c = torch.empty((num_chunks, H, L), **f32)
-    cum = torch.empty((num_chunks, H, L), **f32)
-    clen = torch.empty((num_chunks,), dtype=torch.int32, device=dev)
-
-    bh = min(32, triton.next_power_of_2(H))
-    _chunk_dt_kernel[(triton.cdiv(H, bh), num_chunks)](
-        chunk_token_idx, dt, dt_bias, A, dt_c, cum, clen,
-        T, H, lo, hi_, chunk_token_idx.stride(0), *dt.stride(),
-        L=L, BLOCK_H=bh, num_warps=4,
-    )
-    if _stop_after == "dt":
-        return y, end_states
-    chunk_src = torch.empty((num_chunks,), dtype=torch.int64, device=dev)
-    _chunk_state_passing_kernel[(triton.cdiv(P, bps) * triton.cdiv(N, bns), H, R)](
-        x, B, chunk_token_idx, dt_c, cum, clen, states, chunk_src,
-        ssm_state, state_slots, has_initial_state, row_chunks, row_num_chunks,
-        num_chunks, H, P, N, H // G,
-        *x.stride(), *B.stride(), chunk_token_idx.stride(0), *ssm_state.stride(),
-        row_chunks.stride(0),
-        L=L, BLOCK_P=bps, BLOCK_N=bns, BLOCK_L=bls, IP=IP, CONTIG=contiguous_chunks,
-        num_warps=num_warps_state, num_stages=num_stages_state,
-    )
-    if _stop_after == "state":
-        return y, end_states
-    cb = torch.empty((num_chunks, G, L, L), **f32)
-    nb = L // bcb
-    cdt = tl.float32 if x.dtype == torch.float32 else (
-        tl.float16 if x.dtype == torch.float16 else tl.bfloat16)
-    _chunk_cb_kernel[(nb * (nb + 1) // 2, G, num_chunks)](
-        B, C, chunk_token_idx, clen, cb,
-        G, N, *B.stride(), *C.stride(), chunk_token_idx.stride(0),
-        L=L, BLOCK=bcb, BLOCK_K=bkcb, IP=IP, CDT=cdt, CONTIG=contiguous_chunks,
-        num_warps=num_warps_cb,
-    )
-    if _stop_after == "cb":
-        return y, end_states
-    _chunk_scan_kernel[(triton.cdiv(L, bm) * triton.cdiv(P, bpc), H, num_chunks)](
-        x, C, D, chunk_token_idx, dt_c, cum, clen, cb, states, chunk_src, y,
-        H, P, N, G, H // G,
-        *x.stride(), *C.stride(), *y.stride(), chunk_token_idx.stride(0),
-        L=L, BLOCK_M=bm, BLOCK_P=bpc, BLOCK_K=bk, BLOCK_N=bnc, IP=IP, CONTIG=contiguous_chunks,
-        ONE_N_BLOCK=bnc >= N, num_warps=num_warps_scan, num_stages=num_stages_scan,
-    )
-    return y, end_states
+                                 row_num_chunks, *, contiguous_chunks: bool = True):
+    """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen` (`contiguous_chunks`: see
+    `SsdScan`)."""
+    return SsdScan(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
+                   has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks, row_num_chunks,
+                   contiguous_chunks=contiguous_chunks).run()

@@ -6,7 +6,8 @@ state and scatters it to the row's destination, sending rows without one (-1) to
 Inside a CUDA graph the shapes are fixed (one destination per decode row, nearly all -1, since a
 row snapshots once per snapshot interval), so that path moves every row's whole state per layer
 and step: at the Nemotron-Nano-9B-v2 shapes 5.2 MB of fp32 SSM state per row, read and written
-twice. Here a program whose row has no destination returns after two index loads.
+twice. Here a program whose row has no destination returns after two index loads. Launch
+parameters: `tuning` entry "state_copy".
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mambaserve.ops.triton import tuning
 
 
 @triton.jit
@@ -29,8 +32,8 @@ def _copy_slots_kernel(pool_ptr, src_ptr, dst_ptr, slot_numel, slot_stride,
         tl.store(pool_ptr + dst * slot_stride + offs, v, mask=m)
 
 
-def copy_state_slots_triton(pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                            *, block: int = 4096, num_warps: int = 4) -> None:
+def copy_state_slots_triton(pool: torch.Tensor, src_slots: torch.Tensor,
+                            dst_slots: torch.Tensor) -> None:
     """pool[dst_slots[r]] = pool[src_slots[r]] for every r with both slots >= 0, in place.
 
     pool: [num_slots, ...], each slot contiguous (any slot stride); src_slots, dst_slots: [R]
@@ -41,6 +44,8 @@ def copy_state_slots_triton(pool: torch.Tensor, src_slots: torch.Tensor, dst_slo
     assert src_slots.shape == dst_slots.shape and src_slots.dim() == 1, (src_slots.shape,
                                                                            dst_slots.shape)
     assert src_slots.is_contiguous() and dst_slots.is_contiguous()
+    cfg = tuning.config("state_copy", pool.device)
+    block, num_warps = cfg["block"], cfg["num_warps"]
     assert block >= 16 and block & (block - 1) == 0, f"block must be a power of two, got {block}"
     R = src_slots.shape[0]
     slot_numel = pool[0].numel()

@@ -1,0 +1,91 @@
+"""Which implementation a public op of `mambaserve.ops` runs: its Triton kernel or its torch
+reference. Every such decision is made here, by one rule:
+
+    the kernel runs when the device is CUDA, Triton is importable, and the op's own condition on
+    its inputs (the table `CONDITIONS` below; most ops have none) holds;
+
+everything else runs the reference. Checking the rule imports nothing from Triton (a spec lookup
+only), so the engine may ask it on any machine:
+
+    kernel_path("paged_attention", device)            # -> "triton" | "reference"
+    kernel_path("relu2", x.device, x=x)                # ops with a condition take its inputs
+
+The public ops call `kernel_path` with their inputs; the launchers under `mambaserve.ops.triton`
+assert what they require instead of falling back themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from mambaserve.ops.triton import triton_available
+
+KernelPath = Literal["triton", "reference"]
+
+
+def _tileable_chunk(chunk_size: int) -> bool:
+    return chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0
+
+
+@dataclass(frozen=True)
+class Condition:
+    """What an op's kernel needs of its inputs beyond a CUDA device: `check` is called with the
+    named inputs `needs` (keyword arguments of `kernel_path`); `otherwise` says what runs the
+    reference."""
+
+    needs: tuple[str, ...]
+    check: Callable[..., bool]
+    otherwise: str
+
+
+# The public ops (names as in mambaserve.ops) and their kernels' conditions; an op with None
+# takes every input on a CUDA device.
+CONDITIONS: dict[str, Condition | None] = {
+    "selective_state_update": None,
+    "causal_conv1d_update": None,
+    # the kernel holds the conv window in named registers
+    "causal_conv1d_varlen": Condition(
+        ("weight",), lambda weight: 2 <= weight.shape[1] <= 5,
+        "conv widths (weight.shape[1]) outside 2..5"),
+    # the kernel tiles a chunk in power-of-two blocks of at least 16 tokens
+    "ssd_chunk_scan_varlen": Condition(
+        ("chunk_size",), _tileable_chunk,
+        "chunk sizes that are not a power of two >= 16"),
+    "gated_rmsnorm": None,
+    "rms_norm": None,
+    # one flat pass over the elements
+    "relu2": Condition(("x",), lambda x: x.is_contiguous(), "non-contiguous inputs"),
+    "apply_rotary": None,
+    "write_kv": None,
+    "paged_attention": None,
+    # the copy kernel moves each slot as one flat run of elements
+    "save_decode_snapshots": Condition(
+        ("conv_state", "ssm_state"),
+        lambda conv_state, ssm_state: conv_state[0].is_contiguous()
+        and ssm_state[0].is_contiguous(),
+        "pools whose slots are not contiguous"),
+}
+
+
+def kernel_path(op: str, device: torch.device | str, **inputs) -> KernelPath:
+    """"triton" when the public op `op` runs its Triton kernel on `device` with these inputs,
+    else "reference". Ops with a condition need its inputs as keywords (`CONDITIONS[op].needs`)
+    whenever the device could run the kernel. Imports no Triton module."""
+    if op not in CONDITIONS:
+        raise KeyError(f"unknown op {op!r}; known: {sorted(CONDITIONS)}")
+    if torch.device(device).type != "cuda" or not triton_available():
+        return "reference"
+    cond = CONDITIONS[op]
+    if cond is None:
+        return "triton"
+    missing = [n for n in cond.needs if n not in inputs]
+    if missing:
+        raise TypeError(f"kernel_path({op!r}) needs the input(s) {missing} to decide")
+    return "triton" if cond.check(**{n: inputs[n] for n in cond.needs}) else "reference"
+
+
+__all__ = ["CONDITIONS", "Condition", "KernelPath", "kernel_path"]

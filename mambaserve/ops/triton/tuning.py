@@ -1,0 +1,125 @@
+"""Launch parameters of the Triton kernels (block sizes, warps, pipeline stages), per device.
+
+Every launcher reads its kernel's entry with `config(kernel, device)` when it is called; nothing
+here imports Triton. An entry maps knob names to values; `None` means "derived from the shapes by
+the launcher" (each launcher states its rule where it reads the knob). The table is keyed by the
+device's CUDA compute capability; a device without an entry of its own (and the CPU, where the
+kernels run under the interpreter) uses `DEFAULT`. The values come from sweeps on an H200
+(sm_90); docs/kernels.md has the measurements.
+
+Sweeps and tests change knobs with `override`, never through launcher arguments:
+
+    with tuning.override("ssd", block_m_scan=32, num_warps_scan=8):
+        ssd_chunk_scan_varlen_triton(...)
+
+Overrides apply on every device, nest (the innermost value of a knob wins), are local to the
+current thread / asyncio context, and reject knob names the kernel does not have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+
+import torch
+
+# Tuned on an H200 (sm_90). Knobs set to None follow the launcher's shape rule.
+SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
+    # relu2: BLOCK elements per program
+    "relu2": MappingProxyType({"block": 4096, "num_warps": 8}),
+    # gated RMSNorm: None = max(1, min(8, BLOCK // 256)), BLOCK = next pow2 of the group size
+    "gated_rmsnorm": MappingProxyType({"num_warps": None}),
+    # RMSNorm: None = 16 from BLOCK_D 16384, else max(1, min(8, BLOCK_D // 512))
+    "rms_norm": MappingProxyType({"num_warps": None}),
+    # decode conv step: channels per program
+    "conv1d_update": MappingProxyType({"block_d": 256, "num_warps": 4}),
+    # prefill conv: launch 1 (block_t tokens x block_d channels; lookahead inputs loaded ahead in
+    # the unrolled loop, unroll=False for a runtime loop) and launch 2 (the state write)
+    "conv1d_varlen": MappingProxyType({"block_t": 16, "block_d": 512, "num_warps": 4,
+                                       "lookahead": 4, "unroll": True, "state_block_d": 256,
+                                       "state_num_warps": 4}),
+    # decode SSM step: None = block_p max(1, min(pow2(P), 4096 // pow2(N), 16)); num_warps 4 when
+    # block_p * pow2(N) >= 2048, else 2
+    "selective_state_update": MappingProxyType({"block_p": None, "num_warps": None}),
+    # SSD chunked scan, per launch (0: dt, S: state passing, CB, C: scan); block sizes are powers
+    # of two >= 16. None: block_h_dt min(32, pow2(H)); block_n_state, block_k_cb, block_n_scan
+    # min(128, max(16, pow2(N))); block_l_state L; block_cb and block_m_scan min(L, 64);
+    # block_p_scan min(128, max(16, pow2(P)))
+    "ssd": MappingProxyType({
+        "block_h_dt": None, "num_warps_dt": 4,
+        "block_p_state": 64, "block_n_state": None, "block_l_state": None,
+        "num_warps_state": 4, "num_stages_state": 1,
+        "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
+        "block_m_scan": None, "block_p_scan": None, "block_k_scan": 16, "block_n_scan": None,
+        "num_warps_scan": 4, "num_stages_scan": 3,
+    }),
+    # per-token paged attention (decode tokens): None = block_n max(16, min(64, pow2(page_size)));
+    # num_warps 4 when BLOCK_D * BLOCK_N >= 4096, else 2; num_splits from the split-KV heuristic
+    # (choose_num_splits with min_split_keys), an int forces that many key partitions
+    "paged_attention": MappingProxyType({"block_n": None, "num_warps": None, "num_splits": None,
+                                         "min_split_keys": 256}),
+    # tiled paged attention (prefill tokens): block_m query rows per program; block_n as above
+    "paged_attention_tiled": MappingProxyType({"block_m": 128, "block_n": None, "num_warps": 4}),
+    # rotary: None = block_h min(16, pow2(heads))
+    "rotary": MappingProxyType({"block_h": None}),
+    # decode snapshot copy: elements of a slot per program
+    "state_copy": MappingProxyType({"block": 4096, "num_warps": 4}),
+})
+
+# No other device has been tuned: the sm_90 values serve everywhere else.
+DEFAULT = SM90
+BY_CAPABILITY: Mapping[tuple[int, int], Mapping[str, Mapping[str, object]]] = MappingProxyType(
+    {(9, 0): SM90})
+
+_overrides: contextvars.ContextVar[tuple[tuple[str, Mapping[str, object]], ...]] = (
+    contextvars.ContextVar("mambaserve_triton_tuning_overrides", default=()))
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def table_for(device) -> Mapping[str, Mapping[str, object]]:
+    """The table entry of `device` (a torch.device or a string): its compute capability's, else
+    DEFAULT. A host query, cached per device: no sync, capturable in a CUDA graph."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return BY_CAPABILITY.get(_cuda_capability(idx), DEFAULT)
+
+
+def config(kernel: str, device) -> dict[str, object]:
+    """The knobs of `kernel` on `device`: the device's table entry with the active overrides on
+    top (a new dict; the caller may keep it)."""
+    entry = table_for(device).get(kernel)
+    if entry is None:
+        raise KeyError(f"no tuning entry for kernel {kernel!r}; known: {sorted(DEFAULT)}")
+    knobs = dict(entry)
+    for name, values in _overrides.get():
+        if name == kernel:
+            knobs.update(values)
+    return knobs
+
+
+@contextlib.contextmanager
+def override(kernel: str, **knobs: object) -> Iterator[None]:
+    """Within the block, launches of `kernel` use these knob values on every device."""
+    known = DEFAULT.get(kernel)
+    if known is None:
+        raise KeyError(f"no tuning entry for kernel {kernel!r}; known: {sorted(DEFAULT)}")
+    unknown = sorted(set(knobs) - set(known))
+    if unknown:
+        raise TypeError(f"kernel {kernel!r} has no knob(s) {unknown}; its knobs: {sorted(known)}")
+    token = _overrides.set(_overrides.get() + ((kernel, MappingProxyType(dict(knobs))),))
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+__all__ = ["BY_CAPABILITY", "DEFAULT", "SM90", "config", "override", "table_for"]
