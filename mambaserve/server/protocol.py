@@ -13,12 +13,17 @@ from dataclasses import dataclass, field
 
 from mambaserve.engine.prompt import PromptError, validate_prompt_ids
 from mambaserve.engine.sampling_params import SamplingParams
+from mambaserve.engine.tokenizer import ChatTemplateError
 
 MAX_N = 16  # completions per prompt
 MAX_BATCH = 256  # prompts in one /v1/completions request
 MAX_STOP = 16  # stop strings
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # 20
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the model's template decides
+# a prompt whose first characters alone tokenize to max_model_len + this many tokens is refused
+# without tokenizing the rest (the tokens of a prefix can differ from the full text's only where
+# the prefix was cut, which is at a space when there is one)
+PREFIX_MARGIN = 64
 
 
 class APIError(Exception):
@@ -33,6 +38,17 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def dumps(obj) -> str:
+    """Compact JSON, non-ASCII kept; a string that cannot be UTF-8 (a client's lone surrogate
+    quoted back in an error) makes it fall back to \\u escapes instead of failing."""
+    try:
+        s = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
 
 
 def parse_json(raw: bytes) -> dict:
@@ -135,6 +151,36 @@ def get_obj(body: dict, name: str) -> dict:
     return v
 
 
+def check_unicode(s: str, param: str) -> str:
+    """`s` unless it holds a lone surrogate (JSON's "\\ud800" escapes decode to one): such a
+    string is not Unicode text, no tokenizer takes it, and it cannot be encoded as UTF-8."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"'{param}' is not valid Unicode: it holds a lone surrogate "
+                       f"{s[e.start]!r} at character {e.start}", param=param,
+                       code="invalid_value") from None
+    return s
+
+
+def encode_bounded(tokenizer, text: str, max_model_len: int, param: str) -> list[int]:
+    """The token ids of `text`; a text that cannot fit in `max_model_len` tokens is refused
+    from a prefix (4 x max_model_len characters, then 4x longer ones) without tokenizing all
+    of it. The final length check is `validate_prompt_ids`'s."""
+    k = 4 * max(max_model_len, 1024)
+    while k < len(text):
+        cut = text.rfind(" ", k // 2, k)
+        cut = cut if cut > 0 else k
+        n = len(tokenizer.encode(text[:cut]))
+        if n >= max_model_len + PREFIX_MARGIN:
+            raise APIError(f"prompt is longer than the model's limit (maximum context length) of "
+                           f"{max_model_len} tokens: its first {cut} of {len(text)} characters "
+                           f"alone are {n} tokens", param=param,
+                           code="context_length_exceeded")
+        k *= 4
+    return tokenizer.encode(text)
+
+
 # ---- the parsed request ----------------------------------------------------------------------
 @dataclass
 class Prompt:
@@ -214,9 +260,7 @@ def _sampling(body: dict, *, max_tokens, logprobs: int | None, vocab_size: int
             n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
             max_tokens=max_tokens, min_tokens=min_tokens, stop=stop or None,
             stop_token_ids=stop_ids, ignore_eos=ignore_eos,
-            # NOTE: engine logprobs=0 alone in a batch crashes its step (runner._unpack indexes
-            # a None top-k array), so ask for at least 1 alternative and trim here.
-            logprobs=None if logprobs is None else max(1, logprobs),
+            logprobs=logprobs,  # 0: the sampled token's logprob only
             skip_special_tokens=skip_special, include_stop_str_in_output=include_stop)
     except ValueError as e:
         raise APIError(str(e), code="invalid_value") from None
@@ -273,7 +317,8 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
             if tokenizer is None:
                 raise APIError("this model has no tokenizer: send token ids as the prompt",
                                param="prompt")
-            ids = tokenizer.encode(item) if item else []
+            check_unicode(item, "prompt")
+            ids = encode_bounded(tokenizer, item, max_model_len, "prompt") if item else []
             prompts.append(Prompt(item, ids))
         else:
             prompts.append(Prompt(None, list(item)))
@@ -308,7 +353,7 @@ def _message_content(m: dict, i: int) -> str:
         raise APIError(f"messages[{i}].content is required", param=f"messages[{i}].content",
                        code="missing_required_parameter")
     if isinstance(c, str):
-        return c
+        return check_unicode(c, f"messages[{i}].content")
     if isinstance(c, list):
         parts = []
         for j, part in enumerate(c):
@@ -317,7 +362,7 @@ def _message_content(m: dict, i: int) -> str:
                 raise APIError(f"messages[{i}].content[{j}]: only text parts "
                                '({"type": "text", "text": ...}) are supported',
                                param=f"messages[{i}].content", code="invalid_value")
-            parts.append(part["text"])
+            parts.append(check_unicode(part["text"], f"messages[{i}].content"))
         return "".join(parts)
     raise _type_error(f"messages[{i}].content", "a string or an array of text parts", c)
 
@@ -344,7 +389,7 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int) -> Pa
                            code="invalid_value")
         msg = {"role": role, "content": _message_content(m, i)}
         if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+            msg["name"] = check_unicode(m["name"], f"messages[{i}].name")
         messages.append(msg)
     tools = body.get("tools")
     if tools:
@@ -373,15 +418,15 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int) -> Pa
                        "with token ids", param="messages", code="no_chat_template")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as e:
+    except (ChatTemplateError, ValueError) as e:
         raise APIError(f"cannot apply the chat template: {e}", param="messages",
                        code="no_chat_template" if "no chat template" in str(e) else
                        "invalid_value") from None
-    except Exception as e:  # noqa: BLE001 - jinja2 errors in the template itself
+    except Exception as e:  # noqa: BLE001 - a tokenizer class of another kind
         raise APIError(f"the model's chat template failed on these messages: "
                        f"{type(e).__name__}: {e}", param="messages",
                        code="invalid_value") from None
-    ids = tokenizer.encode(text)
+    ids = encode_bounded(tokenizer, text, max_model_len, "messages")
     _check_prompt_ids(ids, vocab_size, max_model_len, "messages")
     include, continuous = _stream_options(body, stream)
     get_str(body, "user")

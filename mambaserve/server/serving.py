@@ -4,7 +4,6 @@ chunks (the exact shapes of OpenAI's API), streaming and not."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -18,7 +17,7 @@ from mambaserve.engine.async_engine import (
     RequestStream,
 )
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
-from mambaserve.server.protocol import APIError, ParsedRequest
+from mambaserve.server.protocol import APIError, ParsedRequest, dumps
 
 logger = logging.getLogger("mambaserve.server")
 
@@ -129,7 +128,7 @@ def chat_logprobs(tt: TokenText, comp: CompletionOutput, start: int, end: int, k
 
 # ---- helpers ---------------------------------------------------------------------------------
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
