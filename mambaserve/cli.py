@@ -41,14 +41,34 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(text: str | None) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
+    import os
+
     from mambaserve.server.launcher import serve
 
     if a.model_path and a.model and a.model_path != a.model:
         raise ValueError(f"two models given: {a.model_path!r} and --model {a.model!r}")
+    for flag, v, ok in (("--drain-timeout", a.drain_timeout, a.drain_timeout >= 0),
+                        ("--max-body-mb", a.max_body_mb, a.max_body_mb > 0),
+                        ("--timeout-keep-alive", a.timeout_keep_alive, a.timeout_keep_alive > 0),
+                        ("--timeout-header", a.timeout_header, a.timeout_header > 0),
+                        ("--timeout-body", a.timeout_body, a.timeout_body > 0)):
+        if not ok:  # NaN fails too
+            raise ValueError(f"{flag} must be {'>= 0' if flag == '--drain-timeout' else '> 0'} "
+                             f"seconds{'' if flag != '--max-body-mb' else ' (MiB)'}, got {v}")
+    api_key = a.api_key if a.api_key is not None else os.environ.get("MAMBASERVE_API_KEY")
     return serve(a.model_path or a.model, a.host, a.port, served_model_name=a.served_model_name,
                  max_waiting=None if a.max_waiting < 0 else a.max_waiting,
-                 drain_timeout=a.drain_timeout, log_level=a.log_level, **_engine_settings(a))
+                 drain_timeout=a.drain_timeout, log_level=a.log_level, api_key=api_key or None,
+                 allowed_origins=_csv(a.allowed_origins),
+                 allowed_hosts=_csv(a.allowed_hosts) if a.allowed_hosts is not None else None,
+                 max_body_bytes=max(1, int(a.max_body_mb * (1 << 20))),
+                 timeout_keep_alive_s=a.timeout_keep_alive, timeout_header_s=a.timeout_header,
+                 timeout_body_s=a.timeout_body, **_engine_settings(a))
 
 
 def _server_commands(sub) -> None:
@@ -67,7 +87,28 @@ def _server_commands(sub) -> None:
                    help="sequences that may wait for admission before requests get 429 "
                         "(-1: no limit) (default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds a SIGTERM waits for requests in flight before aborting them "
+                   help="seconds a SIGTERM lets requests in flight run before ending them with "
+                        "finish_reason abort; 0: at once (default: %(default)s)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: the "
+                        "MAMBASERVE_API_KEY environment variable, else no key)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated browser origins allowed to call the API (CORS), e.g. "
+                        "http://localhost:3000, or *; requests from other origins get 403 "
+                        "(default: none)")
+    s.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="comma-separated Host header names accepted (*.example.com, *); "
+                        "default: on loopback connections only localhost names and IP "
+                        "addresses, elsewhere any")
+    s.add_argument("--max-body-mb", type=float, default=4.0,
+                   help="largest request body in MiB; larger ones get 413 (default: %(default)s)")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    s.add_argument("--timeout-header", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers before it is "
+                        "closed (default: %(default)s)")
+    s.add_argument("--timeout-body", type=float, default=30.0,
+                   help="seconds a request has to send its body before it gets 408 "
                         "(default: %(default)s)")
     s.add_argument("--log-level", default="info", help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)
