@@ -1,8 +1,8 @@
 """One normalized view of a checkpoint's config.json, and the engine's own settings.
 
-Nothing downstream reads raw HF config keys: `ModelConfig.from_hf` is the only place that knows
-the spellings found in the wild (hub checkpoints write `hybrid_override_pattern`, transformers 5
-writes `layers_block_type`; older names such as `mamba_d_conv` are accepted too).
+Nothing downstream reads raw HF config keys: `ModelConfig.from_hf` hands the raw dict to its
+family's reader (mambaserve/hf_configs/), the only place that knows the spellings found in the
+wild. Every field's default reproduces NemotronH, the first family.
 """
 
 from __future__ import annotations
@@ -11,47 +11,24 @@ import argparse
 import json
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("NemotronHForCausalLM",)
+from mambaserve.hf_configs import MODEL_TYPES, READERS
+from mambaserve.hf_configs.nemotron_h import PATTERN_CHARS
+from mambaserve.model_layout import FFNKind, LayerKind, LayerSpec
 
-
-class LayerKind(str, Enum):
-    MAMBA = "mamba"
-    ATTENTION = "attention"
-    MLP = "mlp"
-    MOE = "moe"
-
-
-# Every spelling of a layer kind seen in NemotronH configs, by the key that carries it.
-_PATTERN_CHARS = {"M": LayerKind.MAMBA, "*": LayerKind.ATTENTION, "-": LayerKind.MLP,
-                  "E": LayerKind.MOE}
-_BLOCK_TYPE_NAMES = {
-    "mamba": LayerKind.MAMBA, "linear_attention": LayerKind.MAMBA,
-    "attention": LayerKind.ATTENTION, "full_attention": LayerKind.ATTENTION,
-    "mlp": LayerKind.MLP, "moe": LayerKind.MOE,
-}
-
-
-def _decode_float(value: Any) -> float:
-    """transformers writes non-finite floats as {"__float__": "Infinity"}; JSON has no inf."""
-    if isinstance(value, dict) and "__float__" in value:
-        return float(value["__float__"])
-    if isinstance(value, str):
-        return float(value)
-    return float(value)
+SUPPORTED_ARCHITECTURES = tuple(READERS)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Normalized NemotronH-family model description (all sizes are plain ints)."""
+    """Normalized description of a hybrid Mamba2 model (all sizes are plain ints)."""
 
     architecture: str
-    layer_kinds: tuple[LayerKind, ...]
+    layer_kinds: tuple[LayerKind, ...]  # NemotronH's one-block layers; () for other families
     vocab_size: int
     hidden_size: int
     norm_eps: float
@@ -61,7 +38,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    # MLP (relu^2)
+    # MLP
     intermediate_size: int
     mlp_bias: bool
     # Mamba2
@@ -72,9 +49,38 @@ class ModelConfig:
     conv_kernel: int
     chunk_size: int
     use_conv_bias: bool
-    use_bias: bool
     time_step_min: float
     time_step_limit: tuple[float, float]
+    prefill_dt_limit: tuple[float, float]  # dt clamp of the chunked scan (multi-token forwards)
+    decode_dt_limit: tuple[float, float]  # dt clamp of the one-token state update
+    layers: tuple[LayerSpec, ...] = ()  # what each decoder layer holds (model_layout.py)
+    mamba_in_proj_bias: bool = False
+    mamba_out_proj_bias: bool = False
+    # gated norm of the mixer output: "gate_then_norm" w * norm(y * silu(z)), "norm_then_gate"
+    # (w * norm(y)) * silu(z), or "none" y * silu(z)
+    mamba_norm: str = "gate_then_norm"
+    residual_in_fp32: bool = False  # the residual stream stays float32 (Mamba2)
+    # attention options
+    attention_bias: bool = False
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    rope_theta: float | None = None  # None: no positional encoding (NemotronH, Granite "nope")
+    rotary_dim: int = 0  # channels rotated (NeoX pairs); 0: all of head_dim
+    # feed-forward options
+    moe_router: str = "sigmoid_grouped"  # NemotronH's; "softmax_topk" (Granite)
+    # muP-style multipliers (1.0 = none): embedding output, logits, every sub-block's output,
+    # attention input / output / keys, Mamba mixer input / output, the in_proj output segments
+    # (z, x, B, C, dt), the MLP gate pre-activation and down projection
+    embedding_multiplier: float = 1.0
+    logits_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_proj_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp_gate_multiplier: float = 1.0
+    mlp_down_multiplier: float = 1.0
     # MoE
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
@@ -94,7 +100,7 @@ class ModelConfig:
     # ---- derived sizes -------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
-        return len(self.layer_kinds)
+        return len(self.layers)
 
     @property
     def mamba_intermediate_size(self) -> int:
@@ -106,26 +112,22 @@ class ModelConfig:
 
     @property
     def mamba_layer_ids(self) -> list[int]:
-        return [i for i, k in enumerate(self.layer_kinds) if k is LayerKind.MAMBA]
+        """Layers holding Mamba state, in state-pool order."""
+        return [i for i, spec in enumerate(self.layers) if spec.mamba]
 
     @property
     def attention_layer_ids(self) -> list[int]:
-        return [i for i, k in enumerate(self.layer_kinds) if k is LayerKind.ATTENTION]
+        """Layers holding a KV cache, in KV-pool order."""
+        return [i for i, spec in enumerate(self.layers) if spec.attention]
 
     @property
-    def prefill_dt_limit(self) -> tuple[float, float]:
-        """dt clamp of the chunked scan. NOTE: transformers' NemotronH clamps prefill dt to
-        (time_step_min, inf) and leaves decode dt unclamped, ignoring `time_step_limit`; we follow
-        the reference exactly (see docs/architecture.md), keeping the limit's upper bound."""
-        return (self.time_step_min, self.time_step_limit[1])
-
-    @property
-    def decode_dt_limit(self) -> tuple[float, float]:
-        return (0.0, math.inf)
+    def has_moe(self) -> bool:
+        return any(spec.ffn is FFNKind.MOE for spec in self.layers)
 
     @property
     def pattern(self) -> str:
-        inverse = {v: k for k, v in _PATTERN_CHARS.items()}
+        """NemotronH's hybrid_override_pattern (empty for other families)."""
+        inverse = {v: k for k, v in PATTERN_CHARS.items()}
         return "".join(inverse[k] for k in self.layer_kinds)
 
     # ---- loading -------------------------------------------------------------------------
@@ -145,99 +147,43 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch = archs[0] if archs else ("NemotronHForCausalLM" if raw.get("model_type") ==
-                                        "nemotron_h" else None)
-        if arch not in SUPPORTED_ARCHITECTURES:
+        arch = archs[0] if archs else MODEL_TYPES.get(raw.get("model_type"))
+        if arch not in READERS:
             raise ValueError(
                 f"unsupported architecture {arch!r} (model_type={raw.get('model_type')!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-
-        def get(*names: str, default: Any = None) -> Any:
-            for n in names:
-                if n in raw and raw[n] is not None:
-                    return raw[n]
-            return default
-
-        kinds = _layer_kinds(raw)
-        hidden = int(get("hidden_size"))
-        n_heads = int(get("num_attention_heads", default=32))
-        limit = get("time_step_limit", "mamba_dt_limit", default=[0.0, math.inf])
-        eos = get("eos_token_id", default=[])
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-        cfg = cls(
-            architecture=arch,
-            layer_kinds=kinds,
-            vocab_size=int(get("vocab_size")),
-            hidden_size=hidden,
-            norm_eps=float(get("layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-            num_attention_heads=n_heads,
-            num_kv_heads=int(get("num_key_value_heads", default=n_heads)),
-            head_dim=int(get("head_dim", "attention_head_dim", default=hidden // n_heads)),
-            max_position_embeddings=int(get("max_position_embeddings", default=4096)),
-            intermediate_size=int(get("intermediate_size", default=4 * hidden)),
-            mlp_bias=bool(get("mlp_bias", default=False)),
-            mamba_num_heads=int(get("mamba_num_heads", default=128)),
-            mamba_head_dim=int(get("mamba_head_dim", default=64)),
-            ssm_state_size=int(get("ssm_state_size", default=128)),
-            n_groups=int(get("n_groups", "mamba_n_groups", default=8)),
-            conv_kernel=int(get("conv_kernel", "mamba_d_conv", default=4)),
-            chunk_size=int(get("chunk_size", "mamba_chunk_size", default=128)),
-            use_conv_bias=bool(get("use_conv_bias", "mamba_conv_bias", default=True)),
-            use_bias=bool(get("use_bias", default=False)),
-            time_step_min=float(get("time_step_min", "mamba_dt_min", default=0.001)),
-            time_step_limit=(_decode_float(limit[0]), _decode_float(limit[1])),
-            n_routed_experts=int(get("n_routed_experts", "num_local_experts", default=0)),
-            num_experts_per_tok=int(get("num_experts_per_tok", default=0)),
-            moe_intermediate_size=int(get("moe_intermediate_size", default=0)),
-            moe_shared_expert_intermediate_size=int(
-                get("moe_shared_expert_intermediate_size", default=0)),
-            n_group=int(get("n_group", default=1)),
-            topk_group=int(get("topk_group", default=1)),
-            norm_topk_prob=bool(get("norm_topk_prob", default=True)),
-            routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
-            eos_token_ids=eos_ids,
-            bos_token_id=get("bos_token_id"),
-            pad_token_id=get("pad_token_id"),
-            torch_dtype=str(get("dtype", "torch_dtype", default="float32")),
-            extra={"mamba_ssm_cache_dtype": get("mamba_ssm_cache_dtype", default="float32")},
-        )
+        try:
+            fields = READERS[arch](raw)
+        except (TypeError, KeyError) as e:
+            raise ValueError(f"config.json of {arch} is missing or mistypes a field: {e}") from None
+        fields.setdefault("layer_kinds", ())
+        cfg = cls(architecture=arch, **fields)
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        if self.mamba_num_heads % self.n_groups:
+        if not self.layers:
+            raise ValueError("the model has no layers")
+        if self.mamba_layer_ids and self.mamba_num_heads % self.n_groups:
             raise ValueError(f"mamba_num_heads={self.mamba_num_heads} is not a multiple of "
                              f"n_groups={self.n_groups}")
-        if self.num_attention_heads % self.num_kv_heads:
+        if self.attention_layer_ids and self.num_attention_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
                              f"of num_key_value_heads={self.num_kv_heads}")
-        if LayerKind.MOE in self.layer_kinds and (
-                self.n_routed_experts <= 0 or self.num_experts_per_tok <= 0):
+        if self.has_moe and (self.n_routed_experts <= 0 or self.num_experts_per_tok <= 0):
             raise ValueError("MoE layers need n_routed_experts > 0 and num_experts_per_tok > 0")
         if self.n_routed_experts and self.n_routed_experts % self.n_group:
             raise ValueError("n_routed_experts must be a multiple of n_group")
         if self.chunk_size <= 0 or self.conv_kernel < 2:
             raise ValueError("chunk_size must be > 0 and conv_kernel >= 2")
-
-
-def _layer_kinds(raw: dict[str, Any]) -> tuple[LayerKind, ...]:
-    pattern = raw.get("hybrid_override_pattern")
-    blocks = raw.get("layers_block_type") or raw.get("layer_types")
-    if blocks:
-        try:
-            return tuple(_BLOCK_TYPE_NAMES[b] for b in blocks)
-        except KeyError as e:
-            raise ValueError(f"unknown layer type {e.args[0]!r} in layers_block_type; known: "
-                             f"{sorted(_BLOCK_TYPE_NAMES)}") from None
-    if pattern:
-        try:
-            return tuple(_PATTERN_CHARS[c] for c in pattern)
-        except KeyError as e:
-            raise ValueError(f"unknown character {e.args[0]!r} in hybrid_override_pattern; "
-                             f"known: {''.join(_PATTERN_CHARS)}") from None
-    raise ValueError("config.json has neither hybrid_override_pattern nor layers_block_type")
+        if self.mamba_norm not in ("gate_then_norm", "norm_then_gate", "none"):
+            raise ValueError(f"unknown mamba_norm {self.mamba_norm!r}")
+        if len(self.ssm_proj_multipliers) != 5:
+            raise ValueError("ssm_proj_multipliers has one value per in_proj segment "
+                             "(z, x, B, C, dt)")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim")
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -258,13 +204,21 @@ def resolve_dtype(name: str | torch.dtype, model_cfg: ModelConfig | None = None,
     return _DTYPES[name]
 
 
+def resolve_device(name: str | torch.device) -> str:
+    """The device an engine runs on: "auto" is cuda when torch sees a CUDA device, else cpu;
+    any other name is returned as given."""
+    if str(name) == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(name)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine instance. Every field has a command-line flag of the same name in
     kebab case (`add_cli_args`), except memory_budget_bytes, given as `--memory-budget-gb`."""
 
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # cuda when torch sees a CUDA device, else cpu (resolve_device)
     max_num_seqs: int = 64
     chunked_prefill_size: int = 2048  # token budget of one forward
     max_model_len: int | None = None
@@ -283,27 +237,36 @@ class EngineConfig:
     load_format: str = "auto"
 
     def validate(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (one prompt token and one output "
-                             f"token), got {self.max_model_len}")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
-            raise ValueError(f"the memory budget must be positive, got "
-                             f"{self.memory_budget_bytes} bytes")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
+        """Raise a one-line ValueError naming the first bad field ("<field> must be ...")."""
+        def check(ok: bool, field: str, problem: str) -> None:
+            if not ok:
+                raise ValueError(f"{field} {problem}")
+
+        check(isinstance(self.dtype, torch.dtype) or self.dtype in ("auto", *_DTYPES), "dtype",
+              f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        check(str(self.device) in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
+              "device", f"must be cpu or cuda[:N], or auto (cuda when torch sees one), got "
+                        f"{self.device!r}")
+        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        check(self.chunked_prefill_size >= 1, "chunked_prefill_size",
+              f"must be >= 1, got {self.chunked_prefill_size}")
+        check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+              f"must be >= 2 (one prompt token and one output token), got {self.max_model_len}")
+        check(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
+        check(self.memory_budget_bytes is None or self.memory_budget_bytes >= 1,
+              "memory_budget_bytes", f"must be positive, got {self.memory_budget_bytes} bytes")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        check(isinstance(self.mamba_ssm_dtype, torch.dtype) or self.mamba_ssm_dtype in _DTYPES,
+              "mamba_ssm_dtype",
+              f"must be float32, bfloat16 or float16, got {self.mamba_ssm_dtype!r}")
+        check(self.mamba_snapshot_interval is None or self.mamba_snapshot_interval >= 1,
+              "mamba_snapshot_interval",
+              f"must be a positive number of tokens, got {self.mamba_snapshot_interval}")
+        check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs",
+              f"must be >= 1, got {self.cuda_graph_max_bs}")
+        check(self.load_format in ("auto", "dummy"), "load_format",
+              f"must be auto or dummy, got {self.load_format!r}")
 
     # ---- command line ----------------------------------------------------------------------
     @classmethod
@@ -347,7 +310,8 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
     "dtype": ("--dtype", dict(help="weights and activations: auto | float32 | bfloat16 | "
                                    "float16; auto takes the checkpoint's, float32 on a CPU "
                                    "(default: %(default)s)")),
-    "device": ("--device", dict(help="cpu | cuda | cuda:N (default: %(default)s)")),
+    "device": ("--device", dict(help="auto | cpu | cuda | cuda:N; auto: cuda when torch sees a "
+                                     "CUDA device, else cpu (default: %(default)s)")),
     "max_num_seqs": ("--max-num-seqs", dict(
         type=int, help="sequences running at once (default: %(default)s)")),
     "chunked_prefill_size": ("--chunked-prefill-size", dict(
@@ -364,7 +328,8 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
                          "--memory-budget-gb is given, less 2 GiB for activations "
                          "(default: %(default)s)")),
     "mamba_ssm_dtype": ("--mamba-ssm-dtype", dict(
-        help="dtype of the Mamba SSM state (default: %(default)s)")),
+        help="dtype of the Mamba SSM state: float32 | bfloat16 | float16; vLLM's "
+             "--mamba_ssm_cache_dtype (default: %(default)s)")),
     "enable_prefix_caching": ("--enable-prefix-caching", dict(
         action="store_true", help="reuse KV pages and Mamba state snapshots of shared prompt "
                                   "prefixes")),

@@ -15,7 +15,7 @@ import torch
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.radix_cache import PrefixCache
 from mambaserve.cache.state_pool import StatePool
-from mambaserve.config import EngineConfig, ModelConfig, resolve_dtype
+from mambaserve.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
 from mambaserve.engine.prompt import prompt_ids, validate_prompt_ids
 from mambaserve.engine.request import Request, Status
@@ -38,7 +38,7 @@ class LLMEngine:
         self.config = config
         path = Path(model_path)
         self.model_config = ModelConfig.from_hf(path)
-        self.device = torch.device(config.device)
+        self.device = torch.device(resolve_device(config.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device.type)

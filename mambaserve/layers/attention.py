@@ -1,4 +1,7 @@
-"""Grouped-query attention without positional encoding (NemotronH), over the paged KV pool."""
+"""Grouped-query attention over the paged KV pool, with the options the hybrid families use:
+projection biases, the softmax scale (Granite's attention_multiplier), a multiplier on the keys
+(Falcon-H1), and rotary position embedding on the first `rotary_dim` channels of each head (NeoX
+pairs; none for NemotronH and Granite's "nope")."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from torch import nn
 from mambaserve.config import ModelConfig
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.paged_attention import paged_attention, write_kv
+from mambaserve.ops.rotary import apply_rotary
 
 
 class Attention(nn.Module):
@@ -15,20 +19,29 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.scale = self.head_dim ** -0.5
-        H = cfg.hidden_size
-        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=False)
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None \
+            else self.head_dim ** -0.5
+        self.key_multiplier = cfg.key_multiplier
+        self.rope_theta = cfg.rope_theta
+        self.rotary_dim = cfg.rotary_dim or self.head_dim
+        H, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor
                 ) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim]."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k = self.k_proj(x)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
+        k = k.view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.rope_theta is not None:
+            q, k = apply_rotary(q, k, meta.positions, self.rope_theta, self.rotary_dim)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta.page_table, meta.token_row, meta.positions,
                               meta.max_kv_len, self.scale, meta.num_prefill_tokens)

@@ -1,10 +1,15 @@
 """Mamba2 mixer: in_proj -> [z | xBC | dt] -> causal conv1d -> SSD scan / state update ->
 gated RMSNorm -> out_proj. Prefill rows (first) and decode rows (last) of one flat batch take
-different ops; both read and write the layer's slice of the state pool in place."""
+different ops; both read and write the layer's slice of the state pool in place.
+
+Family options (ModelConfig): in_proj / out_proj biases, per-segment multipliers of the in_proj
+output (Falcon-H1's ssm_multipliers on z, x, B, C, dt), the gated-norm variant, and the dt clamps
+of the two paths."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.config import ModelConfig
@@ -30,14 +35,24 @@ class Mamba2Mixer(nn.Module):
         self.norm_eps = cfg.norm_eps
         self.prefill_dt_limit, self.decode_dt_limit = cfg.prefill_dt_limit, cfg.decode_dt_limit
         self.in_proj = nn.Linear(cfg.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
-                                 bias=cfg.use_bias)
+                                 bias=cfg.mamba_in_proj_bias)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.conv_kernel))
         self.conv_bias = nn.Parameter(torch.empty(self.conv_dim)) if cfg.use_conv_bias else None
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
-        self.norm_weight = nn.Parameter(torch.ones(self.d_inner))
-        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.use_bias)
+        self.norm_kind = cfg.mamba_norm
+        self.norm_weight = nn.Parameter(torch.ones(self.d_inner)) \
+            if cfg.mamba_norm != "none" else None
+        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_out_proj_bias)
+        # in_proj output multipliers per segment (z, x, B, C, dt); not in the checkpoint
+        mult = cfg.ssm_proj_multipliers
+        self.proj_multipliers = None
+        if any(m != 1.0 for m in mult):
+            GN = cfg.n_groups * cfg.ssm_state_size
+            sizes = (self.d_inner, self.d_inner, GN, GN, self.num_heads)
+            self.register_buffer("proj_multipliers", torch.cat(
+                [torch.full((n,), float(m)) for n, m in zip(sizes, mult)]), persistent=False)
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
@@ -46,6 +61,8 @@ class Mamba2Mixer(nn.Module):
         Tp = meta.num_prefill_tokens
         G, N, H, P = self.n_groups, self.state_size, self.num_heads, self.head_dim
         zxbcdt = self.in_proj(x)
+        if self.proj_multipliers is not None:
+            zxbcdt = zxbcdt * self.proj_multipliers
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = -torch.exp(self.A_log.float())
         # mixed batches assemble y from both paths; single-kind batches use that path's output
@@ -90,6 +107,17 @@ class Mamba2Mixer(nn.Module):
                 save_decode_snapshots(conv_state, ssm_state, meta.decode_state_slots,
                                       meta.decode_snap_dst)
 
-        y = gated_rmsnorm(y.reshape(T, self.d_inner), z, self.norm_weight,
-                          self.d_inner // self.n_groups, self.norm_eps)
-        return self.out_proj(y)
+        return self.out_proj(self._gated_norm(y.reshape(T, self.d_inner), z))
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        group = self.d_inner // self.n_groups
+        if self.norm_kind == "gate_then_norm":
+            return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps)
+        gate = F.silu(z.float())
+        if self.norm_kind == "none":
+            return (y.float() * gate).to(y.dtype)
+        # norm_then_gate (Falcon-H1): (w * norm(y)) * silu(z), the weight multiply in float32
+        T = y.shape[0]
+        h = y.float().view(T, self.n_groups, group)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps)).view(T, -1)
+        return (self.norm_weight.float() * h * gate).to(y.dtype)

@@ -1,8 +1,10 @@
-"""Non-gated MLP with squared-ReLU activation (NemotronH's `mlp` layers and shared experts)."""
+"""Feed-forward blocks: the non-gated squared-ReLU MLP (NemotronH's `mlp` layers and shared
+experts) and the gated SiLU MLP, SwiGLU (Falcon-H1, Bamba, Granite's shared MLP)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.ops.activation import relu2  # one Triton pass on CUDA
@@ -16,3 +18,29 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x) * gate_multiplier) * up(x)) * down_multiplier.
+
+    gate and up are one projection whose weight is stacked [2, I, hidden] (gate first), so one
+    matmul computes both; checkpoints with separate gate_proj / up_proj tensors load into its
+    two halves, fused ones ([2I, hidden], gate first) into the whole."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 gate_multiplier: float = 1.0, down_multiplier: float = 1.0) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_weight = nn.Parameter(torch.empty(2, intermediate_size, hidden_size))
+        self.gate_up_bias = nn.Parameter(torch.empty(2, intermediate_size)) if bias else None
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        I = self.intermediate_size
+        bias = None if self.gate_up_bias is None else self.gate_up_bias.view(2 * I)
+        gate, up = F.linear(x, self.gate_up_weight.view(2 * I, -1), bias).split(I, dim=-1)
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
+        out = self.down_proj(F.silu(gate) * up)
+        return out * self.down_multiplier if self.down_multiplier != 1.0 else out

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from mambaserve.config import ModelConfig
-from mambaserve.models.nemotron_h import checkpoint_name_to_param
+from mambaserve.models.hybrid import RESHAPEABLE
 from mambaserve.models.random_weights import init_random_
-from mambaserve.models.registry import model_class
+from mambaserve.models.registry import checkpoint_name_map, model_class
 
 LOAD_FORMATS = ("auto", "dummy")
 PROGRESS_BAR_MIN_BYTES = 256 * 2**20
@@ -79,6 +79,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
             model.tie_lm_head()
         return init_random_(model, cfg.num_layers, seed).eval()
 
+    name_map = checkpoint_name_map(cfg)
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())
     expected = set(targets)
@@ -98,16 +99,17 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
                 for key in f.keys():
                     if key.startswith(_IGNORED_PREFIXES):
                         continue
-                    mapped = checkpoint_name_to_param(key)
-                    pname, expert = mapped
-                    if pname not in targets:
+                    mapped = name_map(key)
+                    if mapped is None or mapped[0] not in targets:
                         unexpected.append(key)
                         continue
+                    pname, expert = mapped
                     tensor = f.get_tensor(key)
                     dest = targets[pname] if expert is None else targets[pname][expert]
                     if tensor.shape != dest.shape and tensor.numel() == dest.numel() and \
-                            pname.endswith("conv_weight"):
-                        tensor = tensor.reshape(dest.shape)  # HF conv1d weight is [D, 1, K]
+                            pname.endswith(RESHAPEABLE):
+                        # HF conv1d weight is [D, 1, K]; fused gate|up [2I, H] into [2, I, H]
+                        tensor = tensor.reshape(dest.shape)
                     if tensor.shape != dest.shape:
                         misshaped.append(f"{key}: checkpoint {tuple(tensor.shape)} vs model "
                                          f"{tuple(dest.shape)}")
@@ -123,8 +125,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
     bar.close()
 
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
-        # NOTE: transformers' NemotronH never ties (its tied-keys map is empty) and saves lm_head;
-        # a checkpoint that omits lm_head under tie_word_embeddings shares the embeddings.
+        # NOTE: transformers ties lm_head to the embeddings only when the checkpoint has no
+        # lm_head.weight (NemotronH never ties: its tied-keys map is empty, and it saves lm_head).
         model.tie_lm_head()
         expected.discard("lm_head.weight")
     missing = []

@@ -18,7 +18,7 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device,
     def normal(std: float) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
 
-    if name.endswith(("norm.weight", "norm_f.weight", "mixer.norm_weight", "mixer.D")):
+    if name.endswith(("norm.weight", "norm_weight", ".D")):
         return torch.ones(shape, dtype=dtype, device=device)
     if name.endswith("A_log"):
         t = torch.empty(shape, dtype=torch.float32, device=device).uniform_(1, 16, generator=gen)

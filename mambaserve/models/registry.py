@@ -1,14 +1,28 @@
-"""Architecture name -> model class. The config module validates the name first."""
+"""Architecture name -> model class and checkpoint-name mapping. The config module validates the
+name first (mambaserve/hf_configs/ lists the readable architectures)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 
 from mambaserve.config import ModelConfig
-from mambaserve.models.nemotron_h import NemotronHForCausalLM
+from mambaserve.models import bamba, nemotron_h
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"NemotronHForCausalLM": NemotronHForCausalLM}
+NameMap = Callable[[str], "tuple[str, int | None] | None"]
+
+FAMILIES: dict[str, tuple[type[nn.Module], NameMap]] = {
+    "NemotronHForCausalLM": (nemotron_h.NemotronHForCausalLM,
+                             nemotron_h.checkpoint_name_to_param),
+    "BambaForCausalLM": (bamba.BambaForCausalLM, bamba.checkpoint_name_to_param),
+}
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    return MODEL_CLASSES[cfg.architecture]
+    return FAMILIES[cfg.architecture][0]
+
+
+def checkpoint_name_map(cfg: ModelConfig) -> NameMap:
+    """checkpoint tensor name -> (parameter name, index along its first dim or None)."""
+    return FAMILIES[cfg.architecture][1]

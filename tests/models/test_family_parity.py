@@ -1,0 +1,69 @@
+"""Every hybrid family against its transformers class (float32, tiny random checkpoints from
+tests/family_checkpoints.py): prompt logprobs, greedy tokens of ragged prompts under a token
+budget small enough for chunked prefill and mixed batches, and prefix caching on vs off."""
+
+import pytest
+import torch
+from family_checkpoints import MAKERS, hf_greedy, hf_prompt_logprobs, load_hf
+
+from mambaserve import LLM, SamplingParams
+
+# (architecture, seed, maker overrides); each family adds its variants here
+CASES = [
+    ("BambaForCausalLM", 0, {}),
+    ("BambaForCausalLM", 1, {"attn_layer_indices": [0, 2]}),
+]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))[0]
+    return torch.tensor([d[t] for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def family(request, tmp_path_factory):
+    arch, seed, overrides = request.param
+    path = MAKERS[arch](tmp_path_factory.mktemp(arch) / "ckpt", seed=seed, **overrides)
+    return path, load_hf(path), seed
+
+
+@pytest.mark.parametrize("budget", [4096, 5])
+def test_prompt_logprobs_match_hf(family, budget):
+    path, hf, seed = family
+    ids = _ids(29, seed)
+    llm = LLM(path, chunked_prefill_size=budget, device="cpu")
+    torch.testing.assert_close(engine_prompt_logprobs(llm, ids), hf_prompt_logprobs(hf, ids),
+                               rtol=0, atol=1e-4)
+
+
+def test_greedy_ragged_batch_matches_hf(family):
+    path, hf, seed = family
+    prompts = [_ids(n, seed + n) for n in (3, 11, 20)]
+    llm = LLM(path, chunked_prefill_size=12, max_num_seqs=3, device="cpu")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert llm.engine.stats["mixed_steps"] > 0 and llm.engine.stats["chunked_prefills"] > 0
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 8)
+
+
+def test_prefix_cache_on_matches_off(family):
+    path, _, seed = family
+    system = _ids(40, seed + 100)
+    prompts = [system + _ids(5, seed + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    off = LLM(path, chunked_prefill_size=16, device="cpu")
+    on = LLM(path, chunked_prefill_size=16, device="cpu", enable_prefix_caching=True)
+    ref = [o.outputs[0].token_ids for o in off.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    got = []
+    for p in prompts:  # one at a time so later prompts hit the first one's snapshots
+        got.append(on.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids)
+    assert got == ref
+    assert on.engine.cache_stats()["hits"] >= 1
+    on.engine.check_integrity()
