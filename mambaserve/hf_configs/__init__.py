@@ -12,6 +12,9 @@ from mambaserve.hf_configs import bamba, nemotron_h
 READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "NemotronHForCausalLM": nemotron_h.read,
     "BambaForCausalLM": bamba.read,
+    # FalconH1ForCausalLM
+    # GraniteMoeHybridForCausalLM
+    # Mamba2ForCausalLM
 }
 # model_type -> architecture, for configs without an "architectures" list
 MODEL_TYPES = {"nemotron_h": "NemotronHForCausalLM", "bamba": "BambaForCausalLM"}

@@ -12,6 +12,9 @@ from mambaserve import LLM, SamplingParams
 CASES = [
     ("BambaForCausalLM", 0, {}),
     ("BambaForCausalLM", 1, {"attn_layer_indices": [0, 2]}),
+    # FalconH1ForCausalLM cases
+    # GraniteMoeHybridForCausalLM cases
+    # Mamba2ForCausalLM cases
 ]
 
 
