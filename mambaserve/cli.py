@@ -113,7 +113,7 @@ def _server_commands(sub) -> None:
     s.add_argument("--log-level", default="info", help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks: serve | one-batch | ab | profile")
+    b = sub.add_parser("bench", help="benchmarks: serve | one-batch | ab | profile | kernels")
     b_sub = b.add_subparsers(dest="bench_command", required=True)
     bs = b_sub.add_parser("serve", help="online serving benchmark against a running server")
     from mambaserve.bench.serve import add_args
@@ -136,6 +136,12 @@ def _server_commands(sub) -> None:
                                           "time goes (torch.profiler, kernels by group)")
     profile.add_args(pp)
     pp.set_defaults(func=profile.run_cli)
+    from mambaserve.bench import kernels
+
+    kp = b_sub.add_parser("kernels", help="Triton kernels vs. the torch references and peer "
+                                          "kernels (docs/kernels.md)")
+    kernels.add_args(kp)
+    kp.set_defaults(func=kernels.run_cli)
 
 
 def main(argv: list[str] | None = None) -> int:

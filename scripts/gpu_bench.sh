@@ -8,7 +8,7 @@
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
 # Server wheels (fastapi, starlette, pydantic, uvicorn) travel in the git-ignored .whl/; the
-# mamba_ssm peer for the kernel stage in .peer/ (docs/kernels.md).
+# peers of the kernel stages (mamba_ssm, vLLM's conv) in .peer/ (docs/kernels.md).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -121,7 +121,7 @@ stage_profile() {  # where the device time of a prefill step and a decode step g
         --out "$W/profile_1x2048.json"
 }
 stage_attention() {  # prefill attention: per-token vs tiled kernel vs torch SDPA
-    run attention 180 $PY bench/kernels.py --only attention --sweep --out "$W/attention.json"
+    run attention 180 $MS bench kernels --only attention --sweep --out "$W/attention.json"
 }
 stage_ncu() {  # hardware counters of the SSD scan's launches, ours and mamba_ssm's (1x8192)
     PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run ncu 240 ncu --clock-control none \
@@ -130,7 +130,7 @@ stage_ncu() {  # hardware counters of the SSD scan's launches, ours and mamba_ss
         --section MemoryWorkloadAnalysis $PY scripts/ssd_once.py 1x8192
 }
 stage_kernels() {  # every kernel against its reference and the peers (KERNELS_ARGS=--sweep)
-    PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run kernels 300 $PY bench/kernels.py \
+    PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run kernels 300 $MS bench kernels \
         ${KERNELS_ARGS:-} --out "$W/kernels.json"
 }
 

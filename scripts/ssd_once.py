@@ -4,7 +4,7 @@ are warmed up (compiled, autotuned) first; only the one call of each made betwee
 cudaProfilerStart and cudaProfilerStop is profiled:
 
     PYTHONPATH=.:.peer/mamba_ssm-2.3.2.post1 ncu --clock-control none --profile-from-start off \\
-        --kernel-name regex:'_chunk_scan|_chunk_state' \\
+        --kernel-name regex:'_chunk_scan|_chunk_state|_state_passing' \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         python3 scripts/ssd_once.py 1x8192
 """
@@ -24,9 +24,9 @@ def main(shape: str) -> None:
     from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
 
     nrows, seqlen = (int(v) for v in shape.split("x"))
-    plan = Batch(prefills=[Row.standalone([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
-                     decodes=[])
-    meta = build_metadata(plan, chunk_size=L, conv_kernel=K, page_size=1 << 20, scratch_page=0,
+    batch = Batch(prefills=[Row.standalone([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
+                  decodes=[])
+    meta = build_metadata(batch, chunk_size=L, conv_kernel=K, page_size=1 << 20, scratch_page=0,
                           device="cuda")
     T = meta.num_prefill_tokens
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -39,8 +39,9 @@ def main(shape: str) -> None:
     D = torch.randn(H, device="cuda", generator=g)
     dt_bias = torch.randn(H, device="cuda", generator=g) * 0.5
     ssm = torch.zeros(nrows + 1, H, P, N, device="cuda")
-    args = (meta.prefill.state_slots.to(torch.int32), meta.prefill.has_initial_state,
-            meta.prefill.chunk_token_idx, meta.prefill.token_chunk_pos, meta.prefill.row_chunks, meta.prefill.row_num_chunks)
+    pm = meta.prefill
+    args = (pm.state_slots.to(torch.int32), pm.has_initial_state, pm.chunk_token_idx,
+            pm.token_chunk_pos, pm.row_chunks, pm.row_num_chunks)
     calls = [lambda: ssd_chunk_scan_varlen_triton(x, dt, A, Bm, Cm, D, dt_bias,
                                                   (0.0, float("inf")), ssm, *args)]
     try:
