@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mambaserve.hf_configs import bamba, nemotron_h
+from mambaserve.hf_configs import bamba, mamba2, nemotron_h
 
 READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "NemotronHForCausalLM": nemotron_h.read,
     "BambaForCausalLM": bamba.read,
     # FalconH1ForCausalLM
     # GraniteMoeHybridForCausalLM
-    # Mamba2ForCausalLM
+    "Mamba2ForCausalLM": mamba2.read,
 }
 # model_type -> architecture, for configs without an "architectures" list
-MODEL_TYPES = {"nemotron_h": "NemotronHForCausalLM", "bamba": "BambaForCausalLM"}
+MODEL_TYPES = {"nemotron_h": "NemotronHForCausalLM", "bamba": "BambaForCausalLM",
+               "mamba2": "Mamba2ForCausalLM"}

@@ -4,17 +4,25 @@ budget small enough for chunked prefill and mixed batches, and prefix caching on
 
 import pytest
 import torch
-from family_checkpoints import MAKERS, hf_greedy, hf_prompt_logprobs, load_hf
+from family_checkpoints import (
+    MAKERS,
+    hf_greedy,
+    hf_prompt_logprobs,
+    load_hf,
+    rewrite_config_hub_style,
+)
 
 from mambaserve import LLM, SamplingParams
 
 # (architecture, seed, maker overrides); each family adds its variants here
 CASES = [
     ("BambaForCausalLM", 0, {}),
-    ("BambaForCausalLM", 1, {"attn_layer_indices": [0, 2]}),
+    ("BambaForCausalLM", 1, {"attn_layer_indices": [0, 2]}, "hub"),
     # FalconH1ForCausalLM cases
     # GraniteMoeHybridForCausalLM cases
     # Mamba2ForCausalLM cases
+    ("Mamba2ForCausalLM", 0, {}),
+    ("Mamba2ForCausalLM", 1, {"tie_word_embeddings": True, "n_groups": 1}, "hub"),
 ]
 
 
@@ -30,9 +38,14 @@ def engine_prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def family(request, tmp_path_factory):
-    arch, seed, overrides = request.param
+    """(checkpoint, transformers' model, seed); a case marked "hub" has its config.json rewritten
+    in the older spellings published checkpoints use (transformers reads both the same)."""
+    arch, seed, overrides, *style = request.param
     path = MAKERS[arch](tmp_path_factory.mktemp(arch) / "ckpt", seed=seed, **overrides)
-    return path, load_hf(path), seed
+    hf = load_hf(path)
+    if style == ["hub"]:
+        rewrite_config_hub_style(path)
+    return path, hf, seed
 
 
 @pytest.mark.parametrize("budget", [4096, 5])
