@@ -211,7 +211,7 @@ class AsyncEngine:
             self._cv.notify()
         self._thread.join(timeout if drain else 10.0)
         if self._thread.is_alive() and drain:
-            logger.warning("drain did not finish in %.0f s: aborting %d request(s)", timeout,
+            logger.warning("drain did not finish in %g s: aborting %d request(s)", timeout,
                            len(self._streams))
             with self._cv:
                 self._commands.append(_Call(lambda e: self._abort_all(), None))

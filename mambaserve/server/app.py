@@ -61,8 +61,10 @@ def error_response(e: APIError, headers: dict | None = None) -> SafeJSONResponse
 
 
 async def _send_error(scope, receive, send, e: APIError, headers: dict | None = None) -> None:
-    """Answer from a guard (pure ASGI); the body is not read, so the connection closes."""
-    await error_response(e, {**(headers or {}), "Connection": "close"})(scope, receive, send)
+    """Answer from a guard (pure ASGI) without reading the body. The connection stays open:
+    uvicorn reads and drops the rest of a body of declared length (the client then reads its
+    answer instead of a reset), within the header timeout of launcher.py."""
+    await error_response(e, headers)(scope, receive, send)
 
 
 class _HTTPMetrics:
@@ -243,7 +245,10 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
     drain_task: list[asyncio.Future] = []
 
     async def drain() -> bool:
-        """Stop taking requests and drain the engine (once; later calls wait for the first)."""
+        """Stop taking requests and drain the engine (once; later calls wait for the first).
+        Without `shutdown_engine` the engine is someone else's: nothing to do."""
+        if not shutdown_engine:
+            return True
         if not drain_task:
             logger.info("shutting down: %d request(s) in flight get up to %g s to finish",
                         engine.num_in_flight, drain_timeout)
@@ -254,8 +259,7 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
     @asynccontextmanager
     async def lifespan(app):
         yield
-        if shutdown_engine:
-            await drain()
+        await drain()
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="mambaserve", version=__version__, lifespan=lifespan,
@@ -322,7 +326,7 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
             raw = await read_body(request)
         except ClientDisconnect:
             return Response(status_code=499)
-        except APIError as e:  # too large / too slow: the rest of the body is not read
+        except APIError as e:  # too large (no declared length) / too slow: stop reading it
             return error_response(e, {"Connection": "close"})
         try:
             loop = asyncio.get_running_loop()

@@ -275,7 +275,11 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
 
 
 def _check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, param: str) -> None:
-    """The engine's own prompt checks (same messages), as a 400 naming `param`."""
+    """The engine's own prompt checks (same messages), as a 400 naming `param`. `ids` are ints
+    (the tokenizer's, or checked by the caller): the common case is settled with C-level
+    min / max instead of the engine's per-id Python loop."""
+    if 0 < len(ids) < max_model_len and min(ids) >= 0 and max(ids) < vocab_size:
+        return
     try:
         validate_prompt_ids(ids, vocab_size, max_model_len)
     except PromptError as e:

@@ -206,6 +206,8 @@ async def collect(streams: list[RequestStream], receive=None) -> list[RequestOut
             watch.cancel()
         if not work.done():
             work.cancel()
+            # a cancelled gather keeps a CancelledError asyncio would log as never retrieved
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())
         for s in streams:
             s.abort()
 
