@@ -130,14 +130,14 @@ def as_if_cuda(monkeypatch):
     return decided
 
 
-pytestmark_cpu = pytest.mark.skipif(DEV != "cpu", reason="forces the kernels on CPU tensors")
+cpu_only = pytest.mark.skipif(DEV != "cpu", reason="forces the kernels on CPU tensors")
 
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytestmark_cpu
+@cpu_only
 def test_elementwise_and_norm_ops_through_the_kernels(as_if_cuda):
     g = _gen(0)
     x = torch.randn(5, 40, generator=g)
@@ -156,7 +156,7 @@ def test_elementwise_and_norm_ops_through_the_kernels(as_if_cuda):
                           ("rms_norm", "triton"), ("gated_rmsnorm", "triton")]
 
 
-@pytestmark_cpu
+@cpu_only
 def test_rotary_through_the_kernel(as_if_cuda):
     g = _gen(1)
     pos = torch.tensor([0, 5, 900, 4095, 17])
@@ -169,7 +169,7 @@ def test_rotary_through_the_kernel(as_if_cuda):
     assert as_if_cuda == [("apply_rotary", "triton")] * 2
 
 
-@pytestmark_cpu
+@cpu_only
 def test_decode_ops_through_the_kernels(as_if_cuda):
     g = _gen(2)
     H, P, N, G, K, Dm = 4, 8, 16, 2, 4, 48
@@ -213,7 +213,7 @@ def _prefill_meta(rows, chunk_size, K, page_size=1 << 20, decodes=()):
                           scratch_page=scratch, device="cpu")
 
 
-@pytestmark_cpu
+@cpu_only
 @pytest.mark.parametrize("chunk_size", [16, 8])  # 8: below the kernel's tiles, the reference
 def test_prefill_ops_through_the_kernels(as_if_cuda, chunk_size):
     g = _gen(3)
@@ -248,7 +248,7 @@ def test_prefill_ops_through_the_kernels(as_if_cuda, chunk_size):
     assert as_if_cuda == [("ssd_chunk_scan_varlen", ssd_path), ("causal_conv1d_varlen", "triton")]
 
 
-@pytestmark_cpu
+@cpu_only
 def test_attention_ops_through_the_kernels(as_if_cuda):
     """A mixed batch through the public op: prefill tokens to the tiled kernel, decode tokens to
     the per-token kernel, each writing its rows of one output."""

@@ -93,17 +93,19 @@ def table_for(device) -> Mapping[str, Mapping[str, object]]:
     return BY_CAPABILITY.get(_cuda_capability(idx), DEFAULT)
 
 
-def config(kernel: str, device) -> dict[str, object]:
-    """The knobs of `kernel` on `device`: the device's table entry with the active overrides on
-    top (a new dict; the caller may keep it)."""
+def config(kernel: str, device) -> Mapping[str, object]:
+    """The knobs of `kernel` on `device` (read-only): the device's table entry with the active
+    overrides on top."""
     entry = table_for(device).get(kernel)
     if entry is None:
         raise KeyError(f"no tuning entry for kernel {kernel!r}; known: {sorted(DEFAULT)}")
+    active = [values for name, values in _overrides.get() if name == kernel]
+    if not active:
+        return entry
     knobs = dict(entry)
-    for name, values in _overrides.get():
-        if name == kernel:
-            knobs.update(values)
-    return knobs
+    for values in active:
+        knobs.update(values)
+    return MappingProxyType(knobs)
 
 
 @contextlib.contextmanager
