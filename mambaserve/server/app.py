@@ -240,8 +240,10 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
     serving = OpenAIServing(engine, model_name)
     created = int(time.time())
     vocab = engine.model_config.vocab_size
+    # one core stays free for the event loop and the engine thread
     pool = concurrent.futures.ThreadPoolExecutor(
-        parse_workers or min(4, os.cpu_count() or 1), thread_name_prefix="mambaserve-parse")
+        parse_workers or max(1, min(4, (os.cpu_count() or 2) - 1)),
+        thread_name_prefix="mambaserve-parse")
     drain_task: list[asyncio.Future] = []
 
     async def drain() -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import threading
 import time
@@ -112,6 +113,22 @@ def _h11_protocol():
             super().handle_events()
             if self.cycle is not before:  # a request's headers arrived
                 self._disarm()
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse: OpenAI's error body instead of uvicorn's text."""
+            body = json.dumps({"error": {"message": "invalid HTTP request: it could not be "
+                                         "parsed as HTTP/1.1", "type": "invalid_request_error",
+                                         "param": None, "code": "invalid_http"}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]
+            try:
+                for event in (h11.Response(status_code=400, headers=headers,
+                                           reason=b"Bad Request"),
+                              h11.Data(data=body), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:  # a response was already under way
+                pass
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

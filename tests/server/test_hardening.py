@@ -165,6 +165,15 @@ def test_silent_and_half_sent_connections_are_closed(side_app):
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
+def test_unparsable_http_gets_a_json_400(server):
+    with socket.create_connection(("127.0.0.1", server.thread.port), timeout=10) as s:
+        s.sendall(b"GARBAGE\r\n\r\n")
+        reply = _read_all(s)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, reply
+    assert json.loads(body)["error"]["code"] == "invalid_http"
+
+
 # ---- Unicode ------------------------------------------------------------------------------------
 def test_lone_surrogates_get_a_clean_answer_on_the_same_connection(server):
     import http.client
