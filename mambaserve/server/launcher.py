@@ -254,8 +254,12 @@ class ServerThread:
         self.port = sock.getsockname()[1]
         return self
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Shut down as SIGTERM does; waits up to `timeout` s (default: the drain timeout and
+        the shutdown margin, plus 5 s)."""
         self.server.should_exit = True
+        if timeout is None:
+            timeout = self.config.timeout_graceful_shutdown + 5.0
         self.thread.join(timeout)
 
     def __enter__(self) -> ServerThread:  # noqa: PYI034
