@@ -1,8 +1,17 @@
-"""NemotronH mixture of experts: sigmoid router with grouped top-k, relu^2 experts, shared expert.
+"""Mixture-of-experts feed-forward block, with the two router / expert kinds of the families
+(`ModelConfig.moe_router`):
 
-Routing follows transformers' NemotronHTopkRouter exactly (scores = sigmoid(x W^T) in float32,
-choice by scores + e_score_correction_bias within the top groups, weights from the unbiased
-scores, optionally normalized, times routed_scaling_factor).
+- "sigmoid_grouped" (NemotronH): routing follows transformers' NemotronHTopkRouter exactly
+  (scores = sigmoid(x W^T) in float32, choice by scores + e_score_correction_bias within the top
+  groups, weights from the unbiased scores, optionally normalized, times routed_scaling_factor);
+  relu^2 experts (`experts_up` [E, I, H], `experts_down` [E, H, I]) and a relu^2 shared expert.
+- "softmax_topk" (GraniteMoeHybrid): logits = x W^T in the model dtype (W kept in the model
+  dtype, then cast to float32, as transformers' GraniteMoeHybridTopKRouter), weights = softmax
+  over the top-k logits, cast back to the model dtype; no bias, groups or scaling. SwiGLU experts
+  with the checkpoint's stacked [gate | up] weight (`experts_gate_up` [E, 2I, H], gate first,
+  `experts_down` [E, H, I]) and a SwiGLU shared MLP (GatedMLP). Each expert's output times its
+  weight is rounded to the model dtype and the products are summed in float32, as transformers'
+  default (grouped_mm) experts path does.
 
 The expert loop is a dense reference on every device: each expert runs over all tokens and its
 output is weighted by the (mostly zero) routing weight, so a step costs E / top_k times the
@@ -14,10 +23,11 @@ GEMM) yet; it is a planned issue.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.config import ModelConfig
-from mambaserve.layers.mlp import MLP
+from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.ops.activation import relu2
 
 
@@ -52,20 +62,64 @@ class TopkRouter(nn.Module):
         return torch.zeros_like(scores).scatter_(1, topk_idx, topk_w)
 
 
+class SoftmaxTopkRouter(nn.Module):
+    """GraniteMoeHybrid's router: softmax over the k largest of x W^T (no bias, no groups)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> dense routing weights [T, num_experts] in x's dtype (zero if
+        unrouted)."""
+        logits = F.linear(x, self.weight).float()
+        top_v, top_i = logits.topk(self.top_k, dim=-1)
+        top_w = torch.softmax(top_v, dim=-1).to(x.dtype)
+        return torch.zeros(logits.shape, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
+
+
+MOE_ROUTERS = ("sigmoid_grouped", "softmax_topk")
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        S = cfg.moe_shared_expert_intermediate_size
+        if cfg.moe_router not in MOE_ROUTERS:
+            raise ValueError(f"unknown moe_router {cfg.moe_router!r}; use one of "
+                             f"{', '.join(MOE_ROUTERS)}")
+        self.swiglu = cfg.moe_router == "softmax_topk"
+        if self.swiglu:
+            self.router = SoftmaxTopkRouter(cfg)
+            # [gate | up] of each expert stacked as in the checkpoint: [E, 2I, H], gate first
+            self.experts_gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
+            self.experts_down = nn.Parameter(torch.empty(E, H, I))
+            self.shared_experts = GatedMLP(H, S, bias=cfg.mlp_bias)
+            return
         self.gate = TopkRouter(cfg)
         # stacked expert weights, as transformers keeps them: up [E, I, H], down [E, H, I]
         self.experts_up = nn.Parameter(torch.empty(E, I, H))
         self.experts_down = nn.Parameter(torch.empty(E, H, I))
-        self.shared_experts = MLP(H, cfg.moe_shared_expert_intermediate_size, bias=cfg.mlp_bias)
+        self.shared_experts = MLP(H, S, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self._forward_swiglu(x)
         weights = self.gate(x)  # [T, E] float32
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(self.experts_up.shape[0]):
             h = relu2(x @ self.experts_up[e].t()) @ self.experts_down[e].t()
             out = out + h * weights[:, e: e + 1]
+        return out.to(x.dtype) + self.shared_experts(x)
+
+    def _forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.router(x)  # [T, E] in x's dtype
+        I = self.experts_down.shape[-1]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.experts_gate_up.shape[0]):
+            gate, up = F.linear(x, self.experts_gate_up[e]).split(I, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.experts_down[e])
+            out.add_(h * weights[:, e: e + 1])  # product in x's dtype, sum in float32
         return out.to(x.dtype) + self.shared_experts(x)
