@@ -1,14 +1,70 @@
-"""Command line: `mambaserve generate | audit-syncs | ...` (see `mambaserve --help`)."""
+"""The `mambaserve` command: generate, serve, eval, bench, audit-syncs (`mambaserve --help`).
+
+Every mistake a user can make on the command line (a missing file, a bad flag value, a port out
+of range, an optional package not installed) ends in one line, `<prog>: error: <problem>`, and
+exit status 2 (1 for a run that failed its own check, e.g. audit-syncs finding a sync); the
+checks that need no model run before it is loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
+import socket
 import sys
 import time
+from pathlib import Path
 
 from mambaserve.config import EngineConfig
+
+DESCRIPTION = ("A serving engine for hybrid Mamba2 language models (Nemotron-H and kin): "
+               "generate text, serve an OpenAI-compatible HTTP API, evaluate perplexity and QA, "
+               "benchmark, and audit host syncs. Without --model every command runs the "
+               "embedded 6.6 M-parameter demo model (docs/demo_model.md).")
+
+# optional packages -> the pip command that installs them (pyproject.toml's extras)
+# (fastapi and uvicorn are in the default install; missing, the environment lost them)
+INSTALL_HINTS = {"fastapi": "pip install fastapi uvicorn",
+                 "uvicorn": "pip install fastapi uvicorn",
+                 "httpx": 'pip install "mambaserve[bench]"',
+                 "matplotlib": 'pip install "mambaserve[bench]"',
+                 "transformers": 'pip install "mambaserve[hf]"'}
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, except for flags whose help already names the default and
+    flags without one (None, or off for a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False \
+                or action.default == "":
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Defaults shown in every --help; a usage mistake is one line and exit status 2."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def missing_packages(*names: str) -> str | None:
+    """None when every package in `names` is importable, else "<names> <is|are> not installed:
+    <the pip command that installs them>"."""
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if not missing:
+        return None
+    hints = dict.fromkeys(INSTALL_HINTS.get(n, f"pip install {n}") for n in missing)
+    return (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+            f"{' or '.join(hints)}")
 
 
 def _add_model_flag(p: argparse.ArgumentParser) -> None:
@@ -20,17 +76,42 @@ def _engine_settings(a: argparse.Namespace) -> dict:
     return dataclasses.asdict(EngineConfig.from_cli(a))
 
 
-def cmd_generate(a: argparse.Namespace) -> int:
-    from mambaserve import LLM, SamplingParams
+def _check_generate(a: argparse.Namespace):
+    """Everything `generate` can check without the model: the engine flags, the sampling flags,
+    the checkpoint's config and every prompt's length against the context. -> SamplingParams."""
+    from mambaserve.config import ModelConfig
+    from mambaserve.default_model import default_model_path
+    from mambaserve.engine.prompt import prompt_ids, validate_prompt_ids
+    from mambaserve.engine.sampling_params import SamplingParams
+    from mambaserve.engine.tokenizer import Tokenizer
 
     settings = _engine_settings(a)
-    t0 = time.perf_counter()
-    llm = LLM(a.model, **settings)
-    t1 = time.perf_counter()
     # the engine's --seed is also every prompt's sampling seed (the README's output is seed 0)
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             max_tokens=a.max_tokens, seed=settings["seed"],
                             ignore_eos=a.ignore_eos)
+    path = Path(a.model) if a.model is not None else default_model_path()
+    cfg = ModelConfig.from_hf(path)
+    context = settings["max_model_len"] or cfg.max_position_embeddings
+    tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
+    for i, prompt in enumerate(a.prompt, 1):
+        _, ids = prompt_ids(prompt, tokenizer)
+        validate_prompt_ids(ids, cfg.vocab_size, context)
+        if len(ids) + a.max_tokens > context:
+            raise ValueError(f"prompt {i} has {len(ids)} token{'s' * (len(ids) != 1)}: with "
+                             f"--max-tokens {a.max_tokens} it needs {len(ids) + a.max_tokens}, "
+                             f"over the context of {context} tokens (--max-model-len, default "
+                             f"the checkpoint's max_position_embeddings)")
+    return settings, params
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from mambaserve import LLM
+
+    settings, params = _check_generate(a)
+    t0 = time.perf_counter()
+    llm = LLM(a.model, **settings)
+    t1 = time.perf_counter()
     outs = llm.generate(list(a.prompt), params)
     t2 = time.perf_counter()
     for out in outs:
@@ -39,6 +120,51 @@ def cmd_generate(a: argparse.Namespace) -> int:
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"[load {t1 - t0:.2f} s, generate {n} tokens in {t2 - t1:.2f} s]", file=sys.stderr)
     return 0
+
+
+def _check_serve(a: argparse.Namespace) -> None:
+    """What `serve` can check before loading the model: its packages, the engine flags, the
+    port, and that the address can be bound."""
+    problem = missing_packages("fastapi", "uvicorn")
+    if problem:
+        raise ValueError(problem)
+    EngineConfig.from_cli(a)
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535 (0: any free port), got {a.port}")
+    try:
+        infos = socket.getaddrinfo(a.host, a.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {a.host!r} is not an address of this machine: {e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
+
+
+def _check_bench(a: argparse.Namespace) -> None:
+    """The optional packages a bench command needs, before it starts."""
+    need = []
+    if a.bench_command == "serve":
+        need = ["httpx"] + (["matplotlib"] if a.plot else [])  # --plot: matplotlib
+    if getattr(a, "backend", None) == "hf":
+        need.append("transformers")
+    problem = missing_packages(*need)
+    if problem:
+        raise ValueError(problem)
+
+
+def _check_outputs(a: argparse.Namespace) -> None:
+    """--out / --plot files must go to an existing folder: found out before the run, not after."""
+    for flag in ("out", "plot"):
+        path = getattr(a, flag, None)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"--{flag} {path}: the folder {Path(path).parent} does not exist")
+
+
+PREFLIGHT = {"serve": _check_serve, "bench": _check_bench}
 
 
 def _csv(text: str | None) -> list[str]:
@@ -144,19 +270,25 @@ def _server_commands(sub) -> None:
     kp.set_defaults(func=kernels.run_cli)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mambaserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """The `mambaserve` parser with every subcommand (tests parse the documented commands with
+    it)."""
+    from mambaserve import __version__
+
+    parser = _Parser(prog="mambaserve", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"mambaserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text for one or more prompts",
                        description="Generate text for one or more prompts. --seed seeds the "
                                    "engine and is also every prompt's sampling seed.")
-    g.add_argument("prompt", nargs="+")
+    g.add_argument("prompt", nargs="+", help="text to continue; several prompts run as one batch")
     _add_model_flag(g)
     EngineConfig.add_cli_args(g)
     g.add_argument("--max-tokens", type=int, default=64,
                    help="tokens generated per prompt at most (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.8, help="(default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.8,
+                   help="0: greedy (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=0.95, help="(default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, help="0: no top-k cut (default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true",
@@ -174,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         "mambaserve.tools.audit_scenarios", fromlist=["run_cli"]).run_cli(ns))
 
     ev = sub.add_parser("eval", help="evaluate through the engine: perplexity | qa")
-    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True, metavar="EVAL")
     pp = ev_sub.add_parser("perplexity", help="perplexity of a text file, windowed")
-    pp.add_argument("file")
+    pp.add_argument("file", help="UTF-8 text file")
     _add_model_flag(pp)
     EngineConfig.add_cli_args(pp)
     pp.add_argument("--window", type=int, default=512, help="tokens per non-overlapping window")
@@ -185,24 +317,58 @@ def main(argv: list[str] | None = None) -> int:
     pp.set_defaults(func=lambda ns: __import__(
         "mambaserve.tools.eval", fromlist=["cli_perplexity"]).cli_perplexity(ns))
     qa = ev_sub.add_parser("qa", help="few-shot GSM8K-format QA accuracy (JSONL file)")
-    qa.add_argument("file")
+    qa.add_argument("file", help='JSONL, one {"question": ..., "answer": "... #### N"} per line')
     _add_model_flag(qa)
     EngineConfig.add_cli_args(qa)
     qa.add_argument("--shots", type=int, default=4, help="first N items as few-shot examples")
-    qa.add_argument("--max-tokens", type=int, default=256)
+    qa.add_argument("--max-tokens", type=int, default=256, help="tokens generated per answer")
     qa.add_argument("--limit", type=int, default=None, help="score at most N questions")
     qa.add_argument("--out", default=None, help="also write the JSON result here")
     qa.set_defaults(func=lambda ns: __import__(
         "mambaserve.tools.eval", fromlist=["cli_qa"]).cli_qa(ns))
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (argparse's own exits included)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error already printed
+        return e.code if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("mambaserve").setLevel(logging.INFO)  # pool sizes at start-up
+    prog = " ".join(["mambaserve", args.command] + [
+        getattr(args, k) for k in ("eval_command", "bench_command") if getattr(args, k, None)])
     try:
+        _check_outputs(args)
+        if args.command in PREFLIGHT:
+            PREFLIGHT[args.command](args)
         return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # every check of the engine and the tools raises a ValueError
+        return _fail(prog, str(e))
+    except ImportError as e:
+        name = (e.name or "").split(".")[0]
+        return _fail(prog, f"{name or e} is not installed: "
+                           f"{INSTALL_HINTS.get(name, f'pip install {name}')}")
+    except OSError as e:  # a file that cannot be read or written
+        return _fail(prog, f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+    except _oom_error() as e:
+        return _fail(prog, f"out of device memory ({str(e).splitlines()[0]}); lower "
+                           f"--max-num-seqs, --max-model-len or --gpu-memory-utilization")
+    except KeyboardInterrupt:
+        return _fail(prog, "interrupted", status=130)
+
+
+def _oom_error() -> type[BaseException]:
+    import torch
+
+    return torch.OutOfMemoryError
+
+
+def _fail(prog: str, message: str, status: int = 2) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`mambaserve bench ab`: compare two engine settings by the A/B method of BENCHMARKING.md.
+"""`mambaserve bench ab`: compare two engine settings, A/B with interleaved rounds and a drift
+control.
 
     mambaserve bench ab --preset nemotron-nano-9b-v2 --device cuda \\
         --a "enforce_eager=true" --b "enforce_eager=false" --rounds 4 \\
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from mambaserve.bench.one_batch import parse_settings
+from mambaserve.config import resolve_device
 
 SEED_STRIDE = 1_000_003  # seeds of one range: base + i for i < num_prompts (far below the stride)
 
@@ -45,7 +46,7 @@ class ABConfig:
     input_len: int = 64
     output_len: int = 32
     warmup_prompts: int = 2
-    device: str = "cpu"
+    device: str = "auto"  # cuda when torch sees a CUDA device, else cpu
     dtype: str = "auto"
     seed: int = 0
 
@@ -56,6 +57,13 @@ class ABConfig:
             raise ValueError("rounds, num-prompts, input-len and output-len must be >= 1")
         if self.warmup_prompts < 0:
             raise ValueError("warmup-prompts must be >= 0")
+        if self.preset is not None:
+            from mambaserve.bench.presets import preset_config
+
+            preset_config(self.preset)  # an unknown name fails here, not after a load
+        self.device = resolve_device(self.device)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA device")
 
 
 def schedule(rounds: int) -> list[list[str]]:
@@ -209,28 +217,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", default="", metavar="K=V,...", help="EngineConfig settings of arm A")
     p.add_argument("--b", default="", metavar="K=V,...", help="EngineConfig settings of arm B")
     p.add_argument("--base", default="", metavar="K=V,...", help="settings of both arms")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--warmup-prompts", type=int, default=2)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="each runs A and B twice")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per measured range")
+    p.add_argument("--input-len", type=int, default=64, help="tokens per prompt")
+    p.add_argument("--output-len", type=int, default=32, help="greedy output tokens per prompt")
+    p.add_argument("--warmup-prompts", type=int, default=2,
+                   help="untimed prompts before every measured range")
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda | cuda:N; auto: cuda when torch sees a CUDA device")
+    p.add_argument("--dtype", default="auto", help="the engine's --dtype")
+    p.add_argument("--seed", type=int, default=0, help="prompts and random weights")
     p.add_argument("--out", default=None, help="write per-round numbers and the verdict as JSON")
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    try:
-        c = ABConfig(model=a.model, preset=a.preset, save_reload=a.save_reload,
-                     a=parse_settings(a.a), b=parse_settings(a.b), base=parse_settings(a.base),
-                     rounds=a.rounds, num_prompts=a.num_prompts, input_len=a.input_len,
-                     output_len=a.output_len, warmup_prompts=a.warmup_prompts, device=a.device,
-                     dtype=a.dtype, seed=a.seed)
-        res = run_ab(c)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """`mambaserve bench ab`; a bad setting is a ValueError (one line from the CLI)."""
+    c = ABConfig(model=a.model, preset=a.preset, save_reload=a.save_reload,
+                 a=parse_settings(a.a), b=parse_settings(a.b), base=parse_settings(a.base),
+                 rounds=a.rounds, num_prompts=a.num_prompts, input_len=a.input_len,
+                 output_len=a.output_len, warmup_prompts=a.warmup_prompts,
+                 device=a.device, dtype=a.dtype, seed=a.seed)
+    res = run_ab(c)
     print(format_report(res))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from mambaserve.bench.roofline import (
     prefill_flops,
 )
 from mambaserve.bench.roofline import sync as _sync
+from mambaserve.config import resolve_device
 
 
 @dataclass
@@ -45,7 +45,7 @@ class OneBatchConfig:
     input_lens: list[int] = field(default_factory=lambda: [128])
     output_len: int = 16
     backend: str = "mambaserve"
-    device: str = "cpu"
+    device: str = "auto"  # cuda when torch sees a CUDA device, else cpu
     dtype: str = "bfloat16"
     save_reload: str | None = None
     warmup: int = 1
@@ -61,7 +61,15 @@ class OneBatchConfig:
             raise ValueError("batch-size, input-len and output-len must be >= 1")
         if self.backend not in ("mambaserve", "hf"):
             raise ValueError(f"unknown backend {self.backend!r}; use mambaserve or hf")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.preset is not None:
+            from mambaserve.bench.presets import preset_config
+
+            preset_config(self.preset)  # an unknown name fails here, before the ceilings
+        if self.model is not None and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model {self.model}: no config.json there (a Hugging Face "
+                             f"checkpoint folder)")
+        self.device = resolve_device(self.device)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
 
 
@@ -359,11 +367,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", default=None, help="HF checkpoint folder")
     src.add_argument("--preset", default=None, help="nemotron-nano-9b-v2 | tiny (random weights)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda | cuda:N; auto: cuda when torch sees a CUDA device")
+    p.add_argument("--dtype", default="bfloat16", help="weights and activations")
     p.add_argument("--engine", default="", metavar="K=V,...",
                    help="extra EngineConfig settings, e.g. enforce_eager=false")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompts and random weights")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -372,7 +381,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="128", help="one or a comma-separated sweep: 512,2048")
     p.add_argument("--output-len", type=int, default=16,
                    help="1 measures prefill only (no decode steps)")
-    p.add_argument("--backend", default="mambaserve", choices=["mambaserve", "hf"])
+    p.add_argument("--backend", default="mambaserve", choices=["mambaserve", "hf"],
+                   help="hf: transformers' NemotronHForCausalLM on the same shapes")
     p.add_argument("--save-reload", default=None, metavar="DIR",
                    help="write the preset as a full safetensors checkpoint into DIR and load it "
                         "back (the load path at scale); default: random weights drawn on the "
@@ -382,16 +392,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    try:
-        c = OneBatchConfig(model=a.model, preset=a.preset, batch_sizes=int_list(a.batch_size),
-                           input_lens=int_list(a.input_len), output_len=a.output_len,
-                           backend=a.backend, device=a.device, dtype=a.dtype,
-                           save_reload=a.save_reload, warmup=a.warmup, seed=a.seed,
-                           engine=parse_settings(a.engine))
-        results = run_one_batch(c)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """`mambaserve bench one-batch`; a bad setting is a ValueError (one line from the CLI)."""
+    c = OneBatchConfig(model=a.model, preset=a.preset, batch_sizes=int_list(a.batch_size),
+                       input_lens=int_list(a.input_len), output_len=a.output_len,
+                       backend=a.backend, device=a.device, dtype=a.dtype,
+                       save_reload=a.save_reload, warmup=a.warmup, seed=a.seed,
+                       engine=parse_settings(a.engine))
+    results = run_one_batch(c)
     print(format_table(results))
     if a.out:
         Path(a.out).write_text(json.dumps([asdict(r) for r in results], indent=1))

@@ -189,7 +189,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
     try:
         import httpx
     except ImportError:
-        raise ValueError("bench serve needs httpx: pip install httpx") from None
+        raise ValueError('bench serve needs httpx: pip install "mambaserve[bench]"') from None
     from tqdm import tqdm
 
     cfg.validate()
@@ -200,9 +200,13 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
                                  limits=limits) as client:
         model, vocab = cfg.model, cfg.vocab_size
         if model is None or vocab is None:
-            r = await client.get(f"{base}/v1/models")
-            r.raise_for_status()
-            card = r.json()["data"][0]
+            try:
+                r = await client.get(f"{base}/v1/models")
+                r.raise_for_status()
+                card = r.json()["data"][0]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                raise ValueError(f"no model list from {base}/v1/models (is `mambaserve serve` "
+                                 f"running there? --base-url): {type(e).__name__}: {e}") from None
             model = model or card["id"]
             vocab = vocab or card.get("vocab_size")
         if not vocab:
@@ -305,27 +309,36 @@ def plot(res: dict, path: str) -> bool:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--dataset", default="random", choices=["random"])
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--dataset", default="random", choices=["random"],
+                   help="random token-id prompts")
+    p.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests sent")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals (default inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (default: no limit)")
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="leading prompt tokens shared by every request")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn from [0, vocab-size) (default: from /v1/models)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of latencies and throughput here")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def run_cli(a: argparse.Namespace) -> int:
+    """`mambaserve bench serve`; a bad setting, a missing package or an unreachable server is a
+    ValueError (one line from the CLI), raised before any request is sent."""
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError('--plot needs matplotlib: pip install "mambaserve[bench]"') from None
     cfg = BenchConfig(base_url=a.base_url, model=a.model, dataset=a.dataset,
                       input_len=a.input_len, output_len=a.output_len, num_prompts=a.num_prompts,
                       request_rate=a.request_rate, max_concurrency=a.max_concurrency,

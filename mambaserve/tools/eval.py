@@ -122,15 +122,39 @@ def reference_answer(answer: str) -> str:
     return normalize_number(answer.rsplit("####", 1)[1])
 
 
+def read_text(path: str | Path) -> str:
+    """The UTF-8 text of a file; a ValueError naming the file and the problem otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{path}: no such file")
+    if p.is_dir():
+        raise ValueError(f"{path} is a folder, not a file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
 def load_jsonl(path: str | Path) -> list[dict]:
+    """GSM8K-format items, one JSON object with "question" and "answer" per line (blank lines
+    skipped); a ValueError naming the file and line otherwise."""
     items = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        item = json.loads(line)
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg}, column {e.colno}); eval qa reads "
+                             f"JSONL, one {{\"question\": ..., \"answer\": \"... #### N\"}} "
+                             f"per line") from None
         if not isinstance(item, dict) or "question" not in item or "answer" not in item:
             raise ValueError(f"{path}:{n}: expected an object with 'question' and 'answer'")
         items.append(item)
+    if not items:
+        raise ValueError(f"{path}: no items")
     return items
 
 
@@ -161,22 +185,29 @@ def score_qa(items: list[dict], predictions: list[str]) -> dict:
             "per_item": per_item}
 
 
+def check_qa(items: list[dict], shots: int, limit: int | None) -> list[dict]:
+    """The items to score (after the shots, at most `limit`); a ValueError for bad settings or
+    a malformed reference, so nothing is generated for a run that cannot be scored."""
+    if shots < 0:
+        raise ValueError(f"shots must be >= 0, got {shots}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if len(items) <= shots:
+        raise ValueError(f"{len(items)} items: none left to score after {shots} shots")
+    test = items[shots:] if limit is None else items[shots:shots + limit]
+    for it in test:
+        reference_answer(it["answer"])
+    return test
+
+
 def run_qa(llm, items: list[dict], shots: int = 4, max_tokens: int = 256,
            limit: int | None = None, use_tqdm: bool = False,
            model_name: str | None = None) -> dict:
     """Few-shot greedy QA through the engine `llm`; the first `shots` items are the examples."""
     from mambaserve.engine.sampling_params import SamplingParams
 
-    if shots < 0:
-        raise ValueError(f"shots must be >= 0, got {shots}")
-    if len(items) <= shots:
-        raise ValueError(f"{len(items)} items: none left to score after {shots} shots")
+    test = check_qa(items, shots, limit)
     prefix = fewshot_prefix(items[:shots])
-    test = items[shots:]
-    if limit is not None:
-        test = test[:limit]
-    for it in test:
-        reference_answer(it["answer"])  # fail before generating if a reference is malformed
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=list(QA_STOP))
     t0 = time.perf_counter()
     outs = llm.generate([qa_prompt(prefix, it["question"]) for it in test], params,
@@ -206,11 +237,17 @@ def _emit(result: dict, out: str | None) -> None:
 
 
 def cli_perplexity(a) -> int:
+    """`mambaserve eval perplexity`: the file and the flags are checked before the model loads."""
     from mambaserve import LLM
     from mambaserve.config import EngineConfig
 
-    text = Path(a.file).read_text()
-    llm = LLM(a.model, **dataclasses.asdict(EngineConfig.from_cli(a)))
+    text = read_text(a.file)
+    if a.window < 2:
+        raise ValueError(f"--window must be >= 2 tokens, got {a.window}")
+    if a.max_tokens is not None and a.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2, got {a.max_tokens}")
+    settings = dataclasses.asdict(EngineConfig.from_cli(a))
+    llm = LLM(a.model, **settings)
     result = perplexity(llm, text, window=a.window, max_tokens=a.max_tokens, use_tqdm=True,
                         model_name=_model_name(a))
     _emit(result, a.out)
@@ -220,11 +257,17 @@ def cli_perplexity(a) -> int:
 
 
 def cli_qa(a) -> int:
+    """`mambaserve eval qa`: the file, its items and the flags are checked before the model
+    loads."""
     from mambaserve import LLM
     from mambaserve.config import EngineConfig
+    from mambaserve.engine.sampling_params import SamplingParams
 
     items = load_jsonl(a.file)
-    llm = LLM(a.model, **dataclasses.asdict(EngineConfig.from_cli(a)))
+    check_qa(items, a.shots, a.limit)
+    SamplingParams(max_tokens=a.max_tokens)  # --max-tokens < 1 fails here, not after the load
+    settings = dataclasses.asdict(EngineConfig.from_cli(a))
+    llm = LLM(a.model, **settings)
     result = run_qa(llm, items, shots=a.shots, max_tokens=a.max_tokens, limit=a.limit,
                     use_tqdm=True, model_name=_model_name(a))
     _emit(result, a.out)
