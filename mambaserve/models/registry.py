@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 from mambaserve.config import ModelConfig
-from mambaserve.models import bamba, mamba2, nemotron_h
+from mambaserve.models import bamba, granite_moe_hybrid, mamba2, nemotron_h
 
 NameMap = Callable[[str], "tuple[str, int | None] | None"]
 
@@ -17,6 +17,8 @@ FAMILIES: dict[str, tuple[type[nn.Module], NameMap]] = {
                              nemotron_h.checkpoint_name_to_param),
     "BambaForCausalLM": (bamba.BambaForCausalLM, bamba.checkpoint_name_to_param),
     "Mamba2ForCausalLM": (mamba2.Mamba2ForCausalLM, mamba2.checkpoint_name_to_param),
+    "GraniteMoeHybridForCausalLM": (granite_moe_hybrid.GraniteMoeHybridForCausalLM,
+                                    granite_moe_hybrid.checkpoint_name_to_param),
 }
 
 
@@ -25,5 +27,7 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
 
 
 def checkpoint_name_map(cfg: ModelConfig) -> NameMap:
-    """checkpoint tensor name -> (parameter name, index along its first dim or None)."""
-    return FAMILIES[cfg.architecture][1]
+    """checkpoint tensor name -> (parameter name, index along its first dim or None). A family
+    whose names depend on the config (Granite: dense or MoE FFN) has a `for_config` picking one."""
+    name_map = FAMILIES[cfg.architecture][1]
+    return name_map.for_config(cfg) if hasattr(name_map, "for_config") else name_map

@@ -20,6 +20,9 @@ CASES = [
     ("BambaForCausalLM", 1, {"attn_layer_indices": [0, 2]}, "hub"),
     # FalconH1ForCausalLM cases
     # GraniteMoeHybridForCausalLM cases
+    ("GraniteMoeHybridForCausalLM", 0, {}),  # 4 experts top-2 + shared MLP, NoPE
+    ("GraniteMoeHybridForCausalLM", 1, {"num_local_experts": 0}),  # dense: shared MLP only
+    ("GraniteMoeHybridForCausalLM", 2, {"position_embedding_type": "rope"}, "hub"),
     # Mamba2ForCausalLM cases
     ("Mamba2ForCausalLM", 0, {}),
     ("Mamba2ForCausalLM", 1, {"tie_word_embeddings": True, "n_groups": 1}, "hub"),
