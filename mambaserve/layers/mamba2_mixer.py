@@ -44,15 +44,21 @@ class Mamba2Mixer(nn.Module):
         self.norm_kind = cfg.mamba_norm
         self.norm_weight = nn.Parameter(torch.ones(self.d_inner)) \
             if cfg.mamba_norm != "none" else None
+        # the gated norm multiplies by its weight in float32 before the one cast back
+        # (Falcon-H1's FalconH1RMSNormGated; its model class sets it); False: cast, then weight
+        self.norm_weight_fp32 = False
         self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_out_proj_bias)
-        # in_proj output multipliers per segment (z, x, B, C, dt); not in the checkpoint
-        mult = cfg.ssm_proj_multipliers
-        self.proj_multipliers = None
-        if any(m != 1.0 for m in mult):
-            GN = cfg.n_groups * cfg.ssm_state_size
-            sizes = (self.d_inner, self.d_inner, GN, GN, self.num_heads)
-            self.register_buffer("proj_multipliers", torch.cat(
-                [torch.full((n,), float(m)) for n, m in zip(sizes, mult)]), persistent=False)
+        # in_proj output multipliers per segment (z, x, B, C, dt), not in the checkpoint:
+        # (start, end, multiplier) of the segments whose multiplier is not 1. Plain numbers, not
+        # a buffer (the loader fills every buffer from the checkpoint), each rounded to the dtype
+        # the model is built in, as transformers' mup_vector buffer is.
+        GN = cfg.n_groups * cfg.ssm_state_size
+        sizes = (self.d_inner, self.d_inner, GN, GN, self.num_heads)
+        ends = [sum(sizes[:i + 1]) for i in range(5)]
+        dtype = torch.get_default_dtype()
+        self.proj_multipliers = [
+            (end - n, end, torch.tensor(float(m), dtype=dtype, device="cpu").item())
+            for n, end, m in zip(sizes, ends, cfg.ssm_proj_multipliers) if m != 1.0]
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
@@ -61,8 +67,8 @@ class Mamba2Mixer(nn.Module):
         Tp = meta.num_prefill_tokens
         G, N, H, P = self.n_groups, self.state_size, self.num_heads, self.head_dim
         zxbcdt = self.in_proj(x)
-        if self.proj_multipliers is not None:
-            zxbcdt = zxbcdt * self.proj_multipliers
+        for start, end, m in self.proj_multipliers:  # in place on in_proj's fresh output
+            zxbcdt[:, start:end].mul_(m)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = -torch.exp(self.A_log.float())
         # mixed batches assemble y from both paths; single-kind batches use that path's output
@@ -111,13 +117,20 @@ class Mamba2Mixer(nn.Module):
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         group = self.d_inner // self.n_groups
-        if self.norm_kind == "gate_then_norm":
+        if self.norm_kind == "gate_then_norm" and not self.norm_weight_fp32:
             return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps)
-        gate = F.silu(z.float())
-        if self.norm_kind == "none":
-            return (y.float() * gate).to(y.dtype)
-        # norm_then_gate (Falcon-H1): (w * norm(y)) * silu(z), the weight multiply in float32
+        if self.norm_kind == "none":  # Falcon-H1 without the norm: silu in the model dtype
+            return (y.float() * F.silu(z)).to(y.dtype)
+        # Falcon-H1's FalconH1RMSNormGated: w * norm(y * silu(z)) or (w * norm(y)) * silu(z),
+        # float32 throughout, the weight multiply before the one cast back
         T = y.shape[0]
-        h = y.float().view(T, self.n_groups, group)
+        gate = F.silu(z.float())
+        h = y.float()
+        if self.norm_kind == "gate_then_norm":
+            h = h * gate
+        h = h.view(T, self.n_groups, group)
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps)).view(T, -1)
-        return (self.norm_weight.float() * h * gate).to(y.dtype)
+        h = self.norm_weight.float() * h
+        if self.norm_kind == "norm_then_gate":
+            h = h * gate
+        return h.to(y.dtype)
