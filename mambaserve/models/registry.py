@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 from mambaserve.config import ModelConfig
-from mambaserve.models import bamba, granite_moe_hybrid, mamba2, nemotron_h
+from mambaserve.models import bamba, falcon_h1, granite_moe_hybrid, mamba2, nemotron_h
 
 NameMap = Callable[[str], "tuple[str, int | None] | None"]
 
@@ -16,6 +16,8 @@ FAMILIES: dict[str, tuple[type[nn.Module], NameMap]] = {
     "NemotronHForCausalLM": (nemotron_h.NemotronHForCausalLM,
                              nemotron_h.checkpoint_name_to_param),
     "BambaForCausalLM": (bamba.BambaForCausalLM, bamba.checkpoint_name_to_param),
+    "FalconH1ForCausalLM": (falcon_h1.FalconH1ForCausalLM,
+                            falcon_h1.checkpoint_name_to_param),
     "Mamba2ForCausalLM": (mamba2.Mamba2ForCausalLM, mamba2.checkpoint_name_to_param),
     "GraniteMoeHybridForCausalLM": (granite_moe_hybrid.GraniteMoeHybridForCausalLM,
                                     granite_moe_hybrid.checkpoint_name_to_param),

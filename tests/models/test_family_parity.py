@@ -5,6 +5,10 @@ budget small enough for chunked prefill and mixed batches, and prefix caching on
 import pytest
 import torch
 from family_checkpoints import (
+    DT_LIMIT,
+    FALCON_H1_BIASES,
+    FALCON_H1_NO_MAMBA_NORM,
+    FALCON_H1_NORM_BEFORE_GATE,
     MAKERS,
     hf_greedy,
     hf_prompt_logprobs,
@@ -19,6 +23,11 @@ CASES = [
     ("BambaForCausalLM", 0, {}),
     ("BambaForCausalLM", 1, {"attn_layer_indices": [0, 2]}, "hub"),
     # FalconH1ForCausalLM cases
+    ("FalconH1ForCausalLM", 0, {}),  # gated norm (gate first), every multiplier != 1
+    # no gated norm, tied embeddings with both multipliers (Falcon-H1-Tiny / 0.5B settings)
+    ("FalconH1ForCausalLM", 1, {**FALCON_H1_NO_MAMBA_NORM, "tie_word_embeddings": True}),
+    ("FalconH1ForCausalLM", 2, FALCON_H1_NORM_BEFORE_GATE, "hub"),
+    ("FalconH1ForCausalLM", 3, {**FALCON_H1_BIASES, **DT_LIMIT}),  # every bias; dt clamp bites
     # GraniteMoeHybridForCausalLM cases
     ("GraniteMoeHybridForCausalLM", 0, {}),  # 4 experts top-2 + shared MLP, NoPE
     ("GraniteMoeHybridForCausalLM", 1, {"num_local_experts": 0}),  # dense: shared MLP only

@@ -1,0 +1,26 @@
+"""Falcon-H1 (`FalconH1ForCausalLM`, tiiuae Falcon-H1 / Falcon-H1R): attention and a Mamba2
+mixer in parallel in every layer (both caches in every layer), then a SwiGLU MLP; the shared
+hybrid decoder with Falcon's checkpoint names and its gated norm, which multiplies by the norm
+weight in float32 before the one cast back (FalconH1RMSNormGated), in both gate orders."""
+
+from __future__ import annotations
+
+from mambaserve.config import ModelConfig
+from mambaserve.models.hybrid import MIXER_RENAMES, HybridForCausalLM, NameMapper
+
+
+class FalconH1ForCausalLM(HybridForCausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        for layer in self.layers:
+            layer.mamba.norm_weight_fp32 = True
+
+
+checkpoint_name_to_param = NameMapper(
+    prefixes=("model.",),
+    renames=MIXER_RENAMES,
+    splits=[(r"feed_forward\.gate_proj\.weight$", "feed_forward.gate_up_weight", 0),
+            (r"feed_forward\.up_proj\.weight$", "feed_forward.gate_up_weight", 1),
+            (r"feed_forward\.gate_proj\.bias$", "feed_forward.gate_up_bias", 0),
+            (r"feed_forward\.up_proj\.bias$", "feed_forward.gate_up_bias", 1)],
+)
