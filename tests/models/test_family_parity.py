@@ -95,3 +95,35 @@ def test_prefix_cache_on_matches_off(family):
     assert got == ref
     assert on.engine.cache_stats()["hits"] >= 1
     on.engine.check_integrity()
+
+
+def test_forwards_are_sync_free(family):
+    from mambaserve.config import EngineConfig
+    from mambaserve.engine.llm_engine import LLMEngine
+    from mambaserve.tools.audit_scenarios import format_report, run_scenarios
+
+    path, _, _ = family
+    engine = LLMEngine(path, EngineConfig(chunked_prefill_size=16, max_num_seqs=4, device="cpu",
+                                          enable_prefix_caching=True))
+    results = run_scenarios(engine)
+    report = format_report(results)
+    for name, r in results.items():
+        assert r.forwards > 0, f"scenario {name} did not occur\n{report}"
+        assert r.forward_syncs == 0 and r.sampler_syncs == 0, report
+        assert r.step_syncs == r.readback_syncs == r.expected_readbacks, report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_match_eager_on_gpu(family):
+    path, _, seed = family
+    kw = {"device": "cuda", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
+          "chunked_prefill_size": 32, "enable_prefix_caching": True,
+          "memory_budget_bytes": 64 << 20}
+    prompts = [{"prompt_token_ids": _ids(n, seed + n)} for n in (5, 17, 33, 9)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eager = LLM(path, enforce_eager=True, **kw).generate(prompts, params)
+    graph_llm = LLM(path, cuda_graph_max_bs=8, **kw)
+    assert graph_llm.engine.runner.graph_runner.graphs
+    graph = graph_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
+    graph_llm.engine.check_integrity()
