@@ -44,6 +44,66 @@ PRESETS: dict[str, dict] = {
         "mamba_hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16",
     },
+    # Falcon-H1-7B shapes: transformers' FalconH1 docs table (44 layers, hidden 3072, 12 / 2
+    # attention heads of 128, 24 Mamba heads of 128, state 256) and NVIDIA Megatron-Bridge's
+    # FalconH1ModelProvider7B (intermediate 12288, vocab 130048, mamba_rms_norm, rope_theta 1e11);
+    # the 7B multipliers were not found: these are Falcon-H1-0.5B's (Megatron-Bridge test
+    # config), so the multiplies are timed. Every layer runs attention and Mamba in parallel.
+    "falcon-h1-7b": {
+        "architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1",
+        "num_hidden_layers": 44, "hidden_size": 3072, "intermediate_size": 12288,
+        "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
+        "mamba_d_ssm": 3072, "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_d_state": 256,
+        "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 128,
+        "mamba_conv_bias": True, "mamba_proj_bias": False, "mamba_rms_norm": True,
+        "mamba_norm_before_gate": False, "projectors_bias": False, "attention_bias": False,
+        "mlp_bias": False, "vocab_size": 130048, "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-5, "rope_theta": 1e11, "tie_word_embeddings": False,
+        "embedding_multiplier": 5.656854249492381, "lm_head_multiplier": 0.0390625,
+        "key_multiplier": 0.39062499999999994, "attention_in_multiplier": 1.0,
+        "attention_out_multiplier": 0.9375, "ssm_in_multiplier": 1.25,
+        "ssm_out_multiplier": 0.23570226039551587,
+        "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5,
+                            0.3535533905932738],
+        "mlp_multipliers": [0.8838834764831844, 0.5859375],
+        "time_step_limit": [0.0, {"__float__": "Infinity"}],
+        "bos_token_id": 1, "eos_token_id": 11, "pad_token_id": 0, "torch_dtype": "bfloat16",
+    },
+    # granite-4.0-h-micro shapes (dense Granite-4.0-H: a shared SwiGLU MLP, no routed experts),
+    # from a public granite4-h test config: 40 layers, attention every 6th of the first 36,
+    # hidden 2048, 32 / 8 heads, MLP 8192, 64 Mamba heads of 64, state 128, NoPE, tied
+    # embeddings. The MoE sizes (-tiny, -small) wait for the sparse MoE path.
+    "granite-4.0-h-micro": {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+        "num_hidden_layers": 40,
+        "layer_types": (["mamba"] * 5 + ["attention"]) * 6 + ["mamba"] * 4,
+        "hidden_size": 2048, "intermediate_size": 8192, "shared_intermediate_size": 8192,
+        "num_local_experts": 0, "num_experts_per_tok": 0,
+        "num_attention_heads": 32, "num_key_value_heads": 8,
+        "mamba_n_heads": 64, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True,
+        "mamba_proj_bias": False, "attention_bias": False, "position_embedding_type": "nope",
+        "vocab_size": 100096, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625, "tie_word_embeddings": True,
+        "time_step_limit": [0.0, {"__float__": "Infinity"}],
+        "bos_token_id": 100257, "eos_token_id": 100257, "pad_token_id": 100256,
+        "torch_dtype": "bfloat16",
+    },
+    # mistralai/Mamba-Codestral-7B-v0.1 (its HF-converted config.json as embedded in a public
+    # benchmark file, transformers 4.44): 64 Mamba2 layers, hidden 4096, 128 heads of 64,
+    # state 128, 8 groups, no attention
+    "mamba-codestral-7b": {
+        "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
+        "num_hidden_layers": 64, "hidden_size": 4096, "num_heads": 128, "head_dim": 64,
+        "state_size": 128, "n_groups": 8, "expand": 2, "conv_kernel": 4, "chunk_size": 256,
+        "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
+        "residual_in_fp32": True, "time_step_limit": [0.0, {"__float__": "Infinity"}],
+        "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4,
+        "vocab_size": 32768, "tie_word_embeddings": False, "norm_before_gate": True,
+        "rms_norm": True, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 _REVERSE_RENAMES = {"mixer.conv_weight": "mixer.conv1d.weight",

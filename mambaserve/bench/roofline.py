@@ -73,7 +73,7 @@ class ModelCounts:
         for name, p in model.named_parameters(remove_duplicate=False):
             n = p.numel()
             total += n if name != "lm_head.weight" or not cfg.tie_word_embeddings else 0
-            if name == "embeddings.weight":
+            if name in ("embeddings.weight", "embed_tokens.weight"):
                 emb += n
             elif name == "lm_head.weight":
                 head += n
