@@ -37,6 +37,7 @@ import torch
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.host_upload import copy_into
 from mambaserve.metadata import ForwardMetadata
+from mambaserve.ops.dispatch import kernel_path
 
 logger = logging.getLogger("mambaserve")
 
@@ -180,10 +181,8 @@ class CudaGraphRunner:
         self.max_kv_len = self.max_pages * self.page_size
         self.snapshots = snapshots
         buckets = bucket_sizes(max_bs, step)
-        from mambaserve.ops.triton import triton_available
-
         # the reference attention gathers max_kv_len keys per token; the Triton kernel does not
-        ref_attention = not (self.device.type == "cuda" and triton_available())
+        ref_attention = kernel_path("paged_attention", self.device) == "reference"
         kept = [b for b in buckets if not ref_attention
                 or attention_workspace_bytes(cfg, b, self.max_kv_len) <= max_workspace_bytes]
         if len(kept) < len(buckets):
