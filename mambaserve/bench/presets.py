@@ -1,7 +1,7 @@
 """Model presets for benchmarks: HF config.json dicts at real shapes, and a writer that saves an
 HF-format checkpoint folder (config.json + safetensors with `backbone.*` names) with random
 weights generated directly in the target dtype on the target device. Benchmarks then load it
-through the normal loader, so the real load path runs at scale (docs: /work/shared/BENCHMARKING.md).
+through the normal loader, so the real load path runs at scale (the figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations
