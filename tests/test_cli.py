@@ -250,3 +250,23 @@ def test_no_module_imports_the_cli():
             if any(n == "mambaserve.cli" or n.startswith("mambaserve.cli.") for n in names):
                 offenders.append(f"{path.relative_to(root)}:{node.lineno}")
     assert offenders == []
+
+
+def _subcommands(parser: argparse.ArgumentParser, prefix=()) -> list[tuple[str, ...]]:
+    out = [prefix]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += _subcommands(sub, prefix + (name,))
+    return out
+
+
+def test_every_command_has_help_with_no_unexplained_defaults(capsys):
+    from mambaserve.cli import build_parser
+
+    commands = _subcommands(build_parser())
+    assert ("bench", "one-batch") in commands and ("eval", "qa") in commands
+    for cmd in commands:
+        text = _help(capsys, *cmd)
+        assert "usage: mambaserve" in text, cmd
+        assert "(default: None)" not in text and "(default: )" not in text, cmd
