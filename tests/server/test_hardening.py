@@ -97,17 +97,13 @@ print(json.dumps(out))
 """
 
 
-def test_health_answers_within_50ms_while_big_requests_are_parsed(server, monkeypatch):
-    """Four batches of 255 prompts that fit and one that does not, ~1 M characters each, sent
-    by another process (as clients are): all of it is tokenized, on the parse pool, before the
-    last prompt is refused. /health meanwhile answers within 50 ms."""
+def _health_during_big_requests(server, calls: list[float]) -> tuple[list[float], float]:
+    """Sorted /health latencies of the probes sent while the server tokenized, and how long
+    it tokenized."""
     import subprocess
     import sys
 
-    tok = server.engine.tokenizer
-    calls: list[float] = []
-    real = tok.encode
-    monkeypatch.setattr(tok, "encode", lambda text: calls.append(time.monotonic()) or real(text))
+    calls.clear()
     probes: list[tuple[float, float]] = []
     with httpx.Client(base_url=server.url, timeout=10) as c:
         c.get("/health")  # connect first
@@ -123,11 +119,30 @@ def test_health_answers_within_50ms_while_big_requests_are_parsed(server, monkey
     assert len(calls) == 4 * 256
     during = sorted(t2 - t1 for t1, t2 in probes if calls[0] <= t1 <= calls[-1])
     window = calls[-1] - calls[0]
+    assert window > 0.3 and len(during) >= 10, (window, len(during))
     print(f"/health: max {during[-1] * 1000:.1f} ms, median {during[len(during) // 2] * 1000:.1f}"
           f" ms, {len(during)} probes during {window:.2f} s of tokenizing")
-    assert window > 0.3 and len(during) >= 10, (window, len(during))
-    assert during[-1] < 0.05, f"/health took {during[-1] * 1000:.0f} ms while requests were " \
-                              "parsed"
+    return during, window
+
+
+def test_health_answers_within_50ms_while_big_requests_are_parsed(server, monkeypatch):
+    """Four batches of 255 prompts that fit and one that does not, ~1 M characters each, sent
+    by another process (as clients are): all of it is tokenized, on the parse pool, before the
+    last prompt is refused. /health meanwhile answers within 50 ms (typically 15-30 ms at worst
+    here; parsing on the event loop gives 200-600 ms). A second try is allowed, for a moment
+    when something else on this shared 2-core machine took the CPU."""
+    tok = server.engine.tokenizer
+    calls: list[float] = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: calls.append(time.monotonic()) or real(text))
+    worst = []
+    for _ in range(2):
+        during, window = _health_during_big_requests(server, calls)
+        worst.append(during[-1])
+        if during[-1] < 0.05:
+            return
+    pytest.fail(f"/health took {[round(w * 1000) for w in worst]} ms at worst while requests "
+                "were parsed")
 
 
 def test_a_body_sent_too_slowly_is_a_408(side_app):
