@@ -54,7 +54,7 @@ def main() -> None:
     hf16_err = max((a - b).abs().max().item() for a, b in zip(ref_lp16, ref_lp))
     report = {"hf_bf16_vs_hf_fp32_max_logprob_err": hf16_err}
     report |= {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "torch": torch.__version__}
+              "torch": torch.__version__, "transformers": __import__("transformers").__version__}
     greedy = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, prompt_logprobs=0)
     for name, kw in [("fp32", dict(dtype="float32")),
                      ("fp32_prefix_cache", dict(dtype="float32", enable_prefix_caching=True)),

@@ -122,7 +122,7 @@ def test_static_buffer_path_matches_eager_on_cpu(tiny_ckpt, prefix):
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
-    kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24,
+    kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24, "device": "cpu",
               "enable_prefix_caching": prefix}
     eager = LLM(tiny_ckpt, **kw)  # the default on a CPU: eager
     graph = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, **kw)
@@ -142,7 +142,7 @@ def test_static_buffer_path_matches_eager_on_cpu(tiny_ckpt, prefix):
 
 
 def test_mixed_batches_run_eagerly(tiny_ckpt):
-    llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, max_model_len=96,
+    llm = LLM(tiny_ckpt, device="cpu", enforce_eager=False, cuda_graph_max_bs=4, max_model_len=96,
               max_num_seqs=4, chunked_prefill_size=24)
     gr = llm.engine.runner.graph_runner
     seen = []
@@ -175,7 +175,7 @@ def test_cuda_graph_matches_eager_on_gpu(tiny_ckpt, prefix):
 
 def test_capture_batches_touch_only_scratch_memory(tiny_ckpt):
     """Capture runs all-padding batches: live state slots and KV pages must not change."""
-    llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, max_model_len=96,
+    llm = LLM(tiny_ckpt, device="cpu", enforce_eager=False, cuda_graph_max_bs=4, max_model_len=96,
               max_num_seqs=4, chunked_prefill_size=24, enable_prefix_caching=True)
     eng, gr = llm.engine, llm.engine.runner.graph_runner
     for i, p in enumerate(_prompts()):
@@ -211,7 +211,7 @@ class _FakeGraph:
 def test_capture_and_replay_plumbing_with_a_fake_cuda(tiny_ckpt, monkeypatch):
     import contextlib
 
-    kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24}
+    kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24, "device": "cpu"}
     eager = LLM(tiny_ckpt, **kw)
     llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, **kw)
     gr = llm.engine.runner.graph_runner
