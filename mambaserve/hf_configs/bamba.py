@@ -5,10 +5,9 @@ only a value inside `rope_parameters` survives."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from mambaserve.hf_configs.common import getter, rope_theta, time_step_limit, token_fields
+from mambaserve.hf_configs.common import getter, mamba_fields, rope_theta, token_fields
 from mambaserve.model_layout import FFNKind, LayerSpec
 
 
@@ -20,15 +19,8 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
     n_heads = int(get("num_attention_heads", default=32))
     head_dim = int(get("head_dim", default=H // n_heads))
     d_inner = int(get("mamba_expand", default=2)) * H
-    m_heads = int(get("mamba_n_heads", default=128))
-    m_head_dim = get("mamba_d_head", default="auto")
-    m_head_dim = d_inner // m_heads if m_head_dim == "auto" else int(m_head_dim)
-    if m_heads * m_head_dim != d_inner:
-        raise ValueError(f"mamba_n_heads * mamba_d_head = {m_heads * m_head_dim} differs from "
-                         f"mamba_expand * hidden_size = {d_inner}")
     partial = float((raw.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5))
     proj_bias = bool(get("mamba_proj_bias", default=False))
-    limit = time_step_limit(raw)
     return dict(
         layers=tuple(LayerSpec(mamba=i not in attn, attention=i in attn, ffn=FFNKind.SWIGLU)
                      for i in range(n_layers)),
@@ -40,15 +32,8 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=int(get("max_position_embeddings", default=262144)),
         intermediate_size=int(get("intermediate_size")),
         mlp_bias=bool(get("mlp_bias", default=False)),
-        mamba_num_heads=m_heads, mamba_head_dim=m_head_dim,
-        ssm_state_size=int(get("mamba_d_state", default=256)),
-        n_groups=int(get("mamba_n_groups", default=1)),
-        conv_kernel=int(get("mamba_d_conv", default=4)),
-        chunk_size=int(get("mamba_chunk_size", default=256)),
-        use_conv_bias=bool(get("mamba_conv_bias", default=True)),
+        **mamba_fields(raw, d_inner, "mamba_expand * hidden_size"),
         mamba_in_proj_bias=proj_bias, mamba_out_proj_bias=proj_bias,
-        time_step_min=0.0, time_step_limit=limit,
-        prefill_dt_limit=limit, decode_dt_limit=(0.0, math.inf),
         attention_bias=bool(get("attention_bias", default=False)),
         rope_theta=rope_theta(raw), rotary_dim=int(head_dim * partial),
         **token_fields(raw),

@@ -52,3 +52,28 @@ def rope_theta(raw: dict[str, Any], default: float = 10000.0) -> float:
         raise ValueError(f"unsupported RoPE type {rope_type!r} / rope_scaling {scaling!r}: only "
                          "the default rotary embedding is implemented")
     return float(params.get("rope_theta", raw.get("rope_theta", default)))
+
+
+def mamba_fields(raw: dict[str, Any], d_inner: int, d_inner_name: str) -> dict[str, Any]:
+    """The Mamba2 mixer's sizes under the `mamba_*` keys Falcon-H1, Bamba and GraniteMoeHybrid
+    share (their class defaults for missing keys), with transformers' dt clamps for them:
+    `time_step_limit` in multi-token forwards, none in one-token steps, no time_step_min floor.
+    `d_inner` is the mixer's inner size, named `d_inner_name` in errors."""
+    get = getter(raw)
+    heads = int(get("mamba_n_heads", default=128))
+    head_dim = get("mamba_d_head", default="auto")
+    head_dim = d_inner // heads if head_dim == "auto" else int(head_dim)
+    if heads * head_dim != d_inner:
+        raise ValueError(f"mamba_n_heads * mamba_d_head = {heads * head_dim} differs from "
+                         f"{d_inner_name} = {d_inner}")
+    limit = time_step_limit(raw)
+    return dict(
+        mamba_num_heads=heads, mamba_head_dim=head_dim,
+        ssm_state_size=int(get("mamba_d_state", default=256)),
+        n_groups=int(get("mamba_n_groups", default=1)),
+        conv_kernel=int(get("mamba_d_conv", default=4)),
+        chunk_size=int(get("mamba_chunk_size", default=256)),
+        use_conv_bias=bool(get("mamba_conv_bias", default=True)),
+        time_step_min=0.0, time_step_limit=limit,
+        prefill_dt_limit=limit, decode_dt_limit=(0.0, math.inf),
+    )

@@ -19,10 +19,9 @@ As transformers' FalconH1Config reads a config.json (its class defaults fill mis
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from mambaserve.hf_configs.common import getter, rope_theta, time_step_limit, token_fields
+from mambaserve.hf_configs.common import getter, mamba_fields, rope_theta, token_fields
 from mambaserve.model_layout import FFNKind, LayerSpec
 
 # FalconH1Config's class defaults for keys whose absence is not "null"
@@ -43,12 +42,6 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
 
     d_ssm = raw.get("mamba_d_ssm", 1024)  # missing: the class default; null: expand * hidden
     d_ssm = int(get("mamba_expand", default=2)) * H if d_ssm is None else int(d_ssm)
-    m_heads = int(get("mamba_n_heads", default=128))
-    m_head_dim = get("mamba_d_head", default="auto")
-    m_head_dim = d_ssm // m_heads if m_head_dim == "auto" else int(m_head_dim)
-    if m_heads * m_head_dim != d_ssm:
-        raise ValueError(f"mamba_n_heads * mamba_d_head = {m_heads * m_head_dim} differs from "
-                         f"the Mamba inner size mamba_d_ssm = {d_ssm}")
 
     if not get("mamba_rms_norm", default=False):
         mamba_norm = "none"
@@ -62,7 +55,6 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
     if len(ssm_mult) != 5 or len(mlp_mult) != 2:
         raise ValueError(f"ssm_multipliers needs 5 values (z, x, B, C, dt) and mlp_multipliers 2 "
                          f"(gate, down); got {list(ssm_mult)} and {list(mlp_mult)}")
-    limit = time_step_limit(raw)
     return dict(
         layers=tuple(LayerSpec(mamba=True, attention=True, ffn=FFNKind.SWIGLU)
                      for _ in range(n_layers)),
@@ -73,17 +65,10 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=int(get("max_position_embeddings", default=8192)),
         intermediate_size=int(get("intermediate_size", default=14336)),
         mlp_bias=bool(get("mlp_bias", default=False)),
-        mamba_num_heads=m_heads, mamba_head_dim=m_head_dim,
-        ssm_state_size=int(get("mamba_d_state", default=256)),
-        n_groups=int(get("mamba_n_groups", default=1)),
-        conv_kernel=int(get("mamba_d_conv", default=4)),
-        chunk_size=int(get("mamba_chunk_size", default=256)),
-        use_conv_bias=bool(get("mamba_conv_bias", default=True)),
+        **mamba_fields(raw, d_ssm, "the Mamba inner size mamba_d_ssm"),
         mamba_in_proj_bias=bool(get("mamba_proj_bias", default=False)),
         mamba_out_proj_bias=bool(get("projectors_bias", default=False)),
         mamba_norm=mamba_norm,
-        time_step_min=0.0, time_step_limit=limit,
-        prefill_dt_limit=limit, decode_dt_limit=(0.0, math.inf),
         attention_bias=bool(get("attention_bias", default=False)),
         rope_theta=rope_theta(raw), rotary_dim=head_dim,
         embedding_multiplier=float(get("embedding_multiplier", default=1.0)),

@@ -16,10 +16,9 @@ multiplier 1, 8 experts top-2, ...).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from mambaserve.hf_configs.common import getter, rope_theta, time_step_limit, token_fields
+from mambaserve.hf_configs.common import getter, mamba_fields, rope_theta, token_fields
 from mambaserve.model_layout import FFNKind, LayerSpec
 
 _MAMBA = ("mamba", "linear_attention")
@@ -49,12 +48,6 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
     n_heads = int(get("num_attention_heads", default=32))
     head_dim = int(get("head_dim", default=H // n_heads))
     d_inner = int(get("mamba_expand", default=2)) * H
-    m_heads = int(get("mamba_n_heads", default=128))
-    m_head_dim = get("mamba_d_head", default="auto")
-    m_head_dim = d_inner // m_heads if m_head_dim == "auto" else int(m_head_dim)
-    if m_heads * m_head_dim != d_inner:
-        raise ValueError(f"mamba_n_heads * mamba_d_head = {m_heads * m_head_dim} differs from "
-                         f"mamba_expand * hidden_size = {d_inner}")
 
     experts = int(get("num_local_experts", default=8))
     top_k = int(get("num_experts_per_tok", default=2)) if experts else 0
@@ -69,7 +62,6 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
     if scaling == 0:
         raise ValueError("logits_scaling must be non-zero (the logits are divided by it)")
     proj_bias = bool(get("mamba_proj_bias", default=False))
-    limit = time_step_limit(raw)
     return dict(
         layers=tuple(LayerSpec(mamba=m, attention=not m, ffn=ffn) for m in is_mamba),
         vocab_size=int(get("vocab_size", default=32000)), hidden_size=H,
@@ -80,15 +72,8 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=int(get("max_position_embeddings", default=2048)),
         # the dense FFN (expert-less models) is the shared MLP
         intermediate_size=shared, mlp_bias=False,
-        mamba_num_heads=m_heads, mamba_head_dim=m_head_dim,
-        ssm_state_size=int(get("mamba_d_state", default=256)),
-        n_groups=int(get("mamba_n_groups", default=1)),
-        conv_kernel=int(get("mamba_d_conv", default=4)),
-        chunk_size=int(get("mamba_chunk_size", default=256)),
-        use_conv_bias=bool(get("mamba_conv_bias", default=True)),
+        **mamba_fields(raw, d_inner, "mamba_expand * hidden_size"),
         mamba_in_proj_bias=proj_bias, mamba_out_proj_bias=proj_bias,
-        time_step_min=0.0, time_step_limit=limit,
-        prefill_dt_limit=limit, decode_dt_limit=(0.0, math.inf),
         attention_bias=bool(get("attention_bias", default=False)),
         attention_scale=float(get("attention_multiplier", default=1.0)),
         rope_theta=rope_theta(raw) if rope else None, rotary_dim=head_dim if rope else 0,

@@ -6,7 +6,12 @@ weight in float32 before the one cast back (FalconH1RMSNormGated), in both gate 
 from __future__ import annotations
 
 from mambaserve.config import ModelConfig
-from mambaserve.models.hybrid import MIXER_RENAMES, HybridForCausalLM, NameMapper
+from mambaserve.models.hybrid import (
+    GATE_UP_SPLITS,
+    MIXER_RENAMES,
+    HybridForCausalLM,
+    NameMapper,
+)
 
 
 class FalconH1ForCausalLM(HybridForCausalLM):
@@ -19,8 +24,5 @@ class FalconH1ForCausalLM(HybridForCausalLM):
 checkpoint_name_to_param = NameMapper(
     prefixes=("model.",),
     renames=MIXER_RENAMES,
-    splits=[(r"feed_forward\.gate_proj\.weight$", "feed_forward.gate_up_weight", 0),
-            (r"feed_forward\.up_proj\.weight$", "feed_forward.gate_up_weight", 1),
-            (r"feed_forward\.gate_proj\.bias$", "feed_forward.gate_up_bias", 0),
-            (r"feed_forward\.up_proj\.bias$", "feed_forward.gate_up_bias", 1)],
+    splits=GATE_UP_SPLITS,
 )

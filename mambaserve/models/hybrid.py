@@ -126,6 +126,12 @@ class HybridForCausalLM(nn.Module):
 # our parameter names that a checkpoint tensor of the same size but another shape may fill
 RESHAPEABLE = ("conv_weight", "gate_up_weight", "gate_up_bias")
 
+# separate gate_proj / up_proj tensors (Falcon-H1, Bamba) fill the halves of GatedMLP's stack
+GATE_UP_SPLITS = [(r"feed_forward\.gate_proj\.weight$", "feed_forward.gate_up_weight", 0),
+                  (r"feed_forward\.up_proj\.weight$", "feed_forward.gate_up_weight", 1),
+                  (r"feed_forward\.gate_proj\.bias$", "feed_forward.gate_up_bias", 0),
+                  (r"feed_forward\.up_proj\.bias$", "feed_forward.gate_up_bias", 1)]
+
 # the Mamba2 mixer's tensors whose names differ from ours in every family
 MIXER_RENAMES = [
     (r"\.conv1d\.weight$", ".conv_weight"),
