@@ -19,7 +19,7 @@ PY=python3
 MS="$PY -m mambaserve.cli"
 PRESET=nemotron-nano-9b-v2
 # fastapi 0.165 imports opentelemetry-api, which the GPU image lacks: its wheel is in .whl too
-if [ -d .whl ] && ! $PY -c "import fastapi, uvicorn" 2>/dev/null; then
+if [ -d .whl ] && ! $PY -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -27,7 +27,7 @@ if [ -d .whl/plot ] && ! $PY -c "import matplotlib" 2>/dev/null; then  # bench s
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site-plot .whl/plot/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site-plot
 fi
-$PY -c "import fastapi, uvicorn, httpx, tqdm, matplotlib" 2>&1 | tail -1
+$PY -c "import fastapi, uvicorn, prometheus_client, httpx, tqdm, matplotlib" 2>&1 | tail -1
 
 log() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 run() {  # run STAGE_NAME DEFAULT_TIMEOUT CMD...
