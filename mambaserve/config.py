@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -30,7 +30,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import pytest
 
 from mambaserve.cli import build_parser, main
 
@@ -218,7 +217,7 @@ def _check_script(script: Path, args: list[str], monkeypatch) -> None:
                 module.main()
             except _Parsed:
                 return
-            except SystemExit as e:
+            except SystemExit:
                 raise AssertionError(f"{script.name} {' '.join(args)}: "
                                      f"{err.getvalue().strip()}") from None
     raise AssertionError(f"{script.name}: main() returned without parsing its arguments")
