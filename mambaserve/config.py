@@ -58,6 +58,7 @@ class ModelConfig:
     # gated norm of the mixer output: "gate_then_norm" w * norm(y * silu(z)), "norm_then_gate"
     # (w * norm(y)) * silu(z), or "none" y * silu(z)
     mamba_norm: str = "gate_then_norm"
+    mamba_norm_weight_fp32: bool = False  # weight multiply in float32 before the cast (Falcon-H1)
     residual_in_fp32: bool = False  # the residual stream stays float32 (Mamba2)
     # attention options
     attention_bias: bool = False

@@ -68,7 +68,7 @@ def read(raw: dict[str, Any]) -> dict[str, Any]:
         **mamba_fields(raw, d_ssm, "the Mamba inner size mamba_d_ssm"),
         mamba_in_proj_bias=bool(get("mamba_proj_bias", default=False)),
         mamba_out_proj_bias=bool(get("projectors_bias", default=False)),
-        mamba_norm=mamba_norm,
+        mamba_norm=mamba_norm, mamba_norm_weight_fp32=True,
         attention_bias=bool(get("attention_bias", default=False)),
         rope_theta=rope_theta(raw), rotary_dim=head_dim,
         embedding_multiplier=float(get("embedding_multiplier", default=1.0)),

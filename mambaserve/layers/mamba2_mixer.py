@@ -45,8 +45,8 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(self.d_inner)) \
             if cfg.mamba_norm != "none" else None
         # the gated norm multiplies by its weight in float32 before the one cast back
-        # (Falcon-H1's FalconH1RMSNormGated; its model class sets it); False: cast, then weight
-        self.norm_weight_fp32 = False
+        # (Falcon-H1's FalconH1RMSNormGated); False: cast, then weight
+        self.norm_weight_fp32 = cfg.mamba_norm_weight_fp32
         self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_out_proj_bias)
         # in_proj output multipliers per segment (z, x, B, C, dt), not in the checkpoint:
         # (start, end, multiplier) of the segments whose multiplier is not 1. Plain numbers, not

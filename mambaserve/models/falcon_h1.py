@@ -5,7 +5,6 @@ weight in float32 before the one cast back (FalconH1RMSNormGated), in both gate 
 
 from __future__ import annotations
 
-from mambaserve.config import ModelConfig
 from mambaserve.models.hybrid import (
     GATE_UP_SPLITS,
     MIXER_RENAMES,
@@ -15,10 +14,8 @@ from mambaserve.models.hybrid import (
 
 
 class FalconH1ForCausalLM(HybridForCausalLM):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
-        for layer in self.layers:
-            layer.mamba.norm_weight_fp32 = True
+    """The gated norm's float32 weight multiply comes from the config
+    (`ModelConfig.mamba_norm_weight_fp32`, set by the Falcon-H1 reader)."""
 
 
 checkpoint_name_to_param = NameMapper(
