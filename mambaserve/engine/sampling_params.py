@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text (constrained decoding).
+
+    kind: "json_object" (any JSON object; spec None), "json_schema" (spec: the schema as JSON
+    text), "regex" (spec: the pattern), "choice" (spec: a list of strings, exactly one of them),
+    "grammar" (spec: an EBNF grammar).
+    """
+
+    kind: str
+    spec: str | list[str] | None = None
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None
     stop_list: list[str] = field(init=False, default_factory=list)
 
     MAX_LOGPROBS = 20
@@ -29,6 +45,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.validate()
+
+    @property
+    def needs_host_token_each_step(self) -> bool:
+        """The host must know this request's last token before building its next step (a
+        constrained request's token mask depends on it), so such a step cannot run ahead."""
+        return self.structured_output is not None
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -62,3 +84,5 @@ class SamplingParams:
         if self.stop_token_ids is not None and any(
                 not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if self.structured_output is not None:
+            bad("structured_output is not supported yet")
