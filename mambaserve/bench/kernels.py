@@ -7,7 +7,9 @@ a CUDA GPU. docs/kernels.md has the measured numbers and how they were taken.
     mambaserve bench kernels --dry                    # tiny CPU smoke run (Triton interpreter)
 
 Cases (`--only`, comma-separated): decode (state update, conv update), norm (gated RMSNorm),
-conv (varlen prefill conv), prefill (SSD chunked scan), attention (prefill attention). Each row
+conv (varlen prefill conv), prefill (SSD chunked scan), attention (prefill attention), moe (the
+sparse routed experts against a per-expert torch loop and the dense reference, at the MoE
+presets' layer shapes: bench/kernels_moe.py). Each row
 gives µs, a rate (TB/s over the bytes the kernel must move, or TFLOP/s over its matrix work),
 the relative-norm error against the reference on the same inputs, and on our default kernel's
 row `ours_over_peer` (our time / the peer's, < 1: ours faster). The JSON also holds the copy and
@@ -25,7 +27,7 @@ import torch
 
 from mambaserve.bench.kernels_harness import Harness
 
-CASES = ("decode", "norm", "conv", "prefill", "attention")
+CASES = ("decode", "norm", "conv", "prefill", "attention", "moe")
 PEER_IMPLS = ("mamba_ssm", "vllm")
 # sizes per case: the real run's, the dry run's
 SIZES = {
@@ -34,6 +36,7 @@ SIZES = {
     "conv": ([(8, 512), (1, 8192)], [(2, 40), (5, 2)]),
     "prefill": ([(8, 512), (4, 2048), (1, 8192)], [(2, 40), (1, 50)]),
     "attention": ([(8, 512), (8, 2048), (1, 8192)], [(2, 40), (1, 50)]),
+    "moe": ([1, 8, 64, 512, 2048, 16384], [1, 20]),
 }
 
 
@@ -60,7 +63,7 @@ def _use_interpreter() -> None:
 
 def run(only: list[str], sweep: bool, out: str, dry: bool, conv_peer_file: str | None) -> dict:
     """Run the cases, write the JSON, print the table; returns the results."""
-    from mambaserve.bench import kernels_decode, kernels_peers, kernels_prefill
+    from mambaserve.bench import kernels_decode, kernels_moe, kernels_peers, kernels_prefill
 
     unknown = sorted(set(only) - set(CASES))
     if unknown:
@@ -101,6 +104,8 @@ def run(only: list[str], sweep: bool, out: str, dry: bool, conv_peer_file: str |
             kernels_prefill.ssd_prefill(h, sizes("prefill"), sweep, peer)
         if "attention" in only:
             kernels_prefill.attention_prefill(h, sizes("attention"), sweep)
+        if "moe" in only:
+            kernels_moe.moe(h, sizes("moe"))
     finally:
         res["wall_s"] = time.time() - t0
         add_peer_ratios(res["rows"])

@@ -142,6 +142,7 @@ class OneBatchResult:
     matmul_ceiling_flops: float
     copy_ceiling_bytes_per_s: float
     load_s: float = 0.0
+    active_params: float = 0.0  # parameters a token multiplies (MoE: its k experts, not all E)
     note: str = ""
     error: str = ""
 
@@ -279,7 +280,6 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
             path, c, load_format)
         log(f"{c.backend}: model ready in {backend.load_s:.1f} s ({load_format} weights)")
         ssm_dtype = resolve_dtype(c.engine.get("mamba_ssm_dtype", "float32"))
-        weight_bytes = (counts.params - counts.embedding) * dtype.itemsize
         for n in c.input_lens:
             for b in c.batch_sizes:
                 for w in range(c.warmup):  # compile / autotune / capture on the same shapes
@@ -296,6 +296,7 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                         torch.cuda.empty_cache()
                 flops = prefill_flops(mcfg, counts, b, n)
                 step = statistics.median(steps) if steps else float("nan")
+                weight_bytes = int(counts.decode_weights(mcfg, b) * dtype.itemsize)
                 step_bytes = decode_step_bytes(mcfg, weight_bytes, b, n + c.output_len // 2,
                                                dtype, ssm_dtype)
                 bw = step_bytes / step if steps else float("nan")
@@ -310,7 +311,8 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                     decode_floor_s=step_bytes / cp["bytes_per_s"], decode_bandwidth=bw,
                     decode_bandwidth_fraction=bw / cp["bytes_per_s"],
                     matmul_ceiling_flops=mm["flops"], copy_ceiling_bytes_per_s=cp["bytes_per_s"],
-                    load_s=backend.load_s, note=note, error=error)
+                    load_s=backend.load_s, active_params=counts.per_token + counts.lm_head,
+                    note=note, error=error)
                 log(format_result(r))
                 results.append(r)
     finally:
@@ -324,7 +326,9 @@ def _count(n: int) -> str:
 
 
 def format_result(r: OneBatchResult) -> str:
-    head = (f"backend {r.backend} on {r.device} ({r.dtype}), {_count(r.params)} params, "
+    active = (f" ({_count(int(r.active_params))} active per token)"
+              if r.active_params and r.active_params < 0.9 * r.params else "")
+    head = (f"backend {r.backend} on {r.device} ({r.dtype}), {_count(r.params)} params{active}, "
             f"batch {r.batch_size} x input {r.input_len}, output {r.output_len}")
     if r.error:
         return f"{head}\nerror: {r.error}"

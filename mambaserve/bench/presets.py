@@ -90,6 +90,52 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 100257, "eos_token_id": 100257, "pad_token_id": 100256,
         "torch_dtype": "bfloat16",
     },
+    # NVIDIA-Nemotron-3-Nano-30B-A3B: the config.json published with the checkpoint
+    # (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16); 52 layers: 23 Mamba2, 23 MoE ("E": 128 relu²
+    # experts of 1856, top-6 by sigmoid scores with a correction bias, normalized, x2.5, plus a
+    # shared expert of 3712), 6 attention; 31.6 B parameters, ~3.5 B active per token
+    "nemotron-3-nano-30b-a3b": {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "num_hidden_layers": 52, "hidden_size": 2688, "intermediate_size": 1856,
+        "mlp_hidden_act": "relu2", "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "n_routed_experts": 128,
+        "n_shared_experts": 1, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+        "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+        "conv_kernel": 4, "chunk_size": 128, "vocab_size": 131072,
+        "max_position_embeddings": 262144, "layer_norm_epsilon": 1e-5,
+        "use_conv_bias": True, "use_bias": False, "mlp_bias": False, "attention_bias": False,
+        "tie_word_embeddings": False, "time_step_min": 0.001, "time_step_max": 0.1,
+        "time_step_floor": 0.0001, "residual_in_fp32": False, "rescale_prenorm_residual": True,
+        "mamba_hidden_act": "silu", "rope_theta": 10000, "partial_rotary_factor": 1.0,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16",
+    },
+    # granite-4.0-h-small (32 B, ~9 B active): the fields quoted from
+    # ibm-granite/granite-4.0-h-small's config.json in a public write-up (hidden 4096, 40 layers
+    # of which 4 attention, 32 / 8 heads, 72 SwiGLU experts of 768, top-10, shared MLP 1536,
+    # state 128, conv 4, expand 2, vocab 100352, tied embeddings). Not found published, taken
+    # from granite-4.0-h-micro: Mamba heads (128 of 64 = expand x hidden), groups, chunk, the
+    # multipliers, and the attention layers' positions (placed evenly here; the step's cost does
+    # not depend on where they sit).
+    "granite-4.0-h-small": {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+        "num_hidden_layers": 40,
+        "layer_types": (["mamba"] * 9 + ["attention"]) * 4,
+        "hidden_size": 4096, "intermediate_size": 768, "shared_intermediate_size": 1536,
+        "num_local_experts": 72, "num_experts_per_tok": 10,
+        "num_attention_heads": 32, "num_key_value_heads": 8,
+        "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True,
+        "mamba_proj_bias": False, "attention_bias": False, "position_embedding_type": "nope",
+        "vocab_size": 100352, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625, "tie_word_embeddings": True,
+        "time_step_limit": [0.0, {"__float__": "Infinity"}],
+        "bos_token_id": 100257, "eos_token_id": 100257, "pad_token_id": 100256,
+        "torch_dtype": "bfloat16",
+    },
     # mistralai/Mamba-Codestral-7B-v0.1 (its HF-converted config.json as embedded in a public
     # benchmark file, transformers 4.44): 64 Mamba2 layers, hidden 4096, 128 heads of 64,
     # state 128, 8 groups, no attention

@@ -59,6 +59,7 @@ class ModelCounts:
     embedding: int  # the input embedding table (a gather, not a matmul)
     lm_head: int  # applied to one position per sequence in a prefill
     per_token: float  # parameters every token multiplies (MoE experts scaled by top-k / E)
+    experts: int = 0  # routed expert parameters (all experts of all MoE layers)
 
     @staticmethod
     def of(config: dict) -> ModelCounts:
@@ -68,7 +69,7 @@ class ModelCounts:
         cfg = ModelConfig.from_dict(config)
         with torch.device("meta"):
             model = model_class(cfg)(cfg)
-        total = emb = head = 0
+        total = emb = head = experts = 0
         per_token = 0.0
         for name, p in model.named_parameters(remove_duplicate=False):
             n = p.numel()
@@ -79,9 +80,21 @@ class ModelCounts:
                 head += n
             elif "experts_" in name and cfg.n_routed_experts:
                 per_token += n * cfg.num_experts_per_tok / cfg.n_routed_experts
+                experts += n
             else:
                 per_token += n
-        return ModelCounts(total, emb, head, per_token)
+        return ModelCounts(total, emb, head, per_token, experts)
+
+    def decode_weights(self, cfg, batch_size: int) -> float:
+        """Weight parameters a decode step of `batch_size` rows must read: everything but the
+        input embedding, with each MoE layer's routed experts counted by the expected size of
+        the union the rows touch under uniform routing, E (1 - (1 - k/E)^B) experts (k for one
+        row, nearly all of them at large batches)."""
+        dense = self.params - self.embedding - self.experts
+        if not self.experts:
+            return float(dense)
+        k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+        return dense + self.experts * (1.0 - (1.0 - k / E) ** batch_size)
 
 
 def prefill_flops(cfg, counts: ModelCounts, batch_size: int, input_len: int) -> float:

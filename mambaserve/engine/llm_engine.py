@@ -26,7 +26,7 @@ from mambaserve.engine.scheduler import Scheduler
 from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.stop_checker import StopChecker
 from mambaserve.engine.tokenizer import Tokenizer
-from mambaserve.models.loader import load_model
+from mambaserve.models.loader import load_model, weight_bytes
 
 logger = logging.getLogger("mambaserve")
 DEFAULT_CPU_BUDGET = 1 << 30
@@ -45,6 +45,10 @@ class LLMEngine:
         self.ssm_dtype = resolve_dtype(config.mamba_ssm_dtype)
         self.model = load_model(path, self.dtype, self.device, self.model_config,
                                 config.load_format, config.seed)
+        self.weight_bytes, self.expert_weight_bytes = weight_bytes(self.model)
+        logger.info("weights: %.2f GiB (%s)", self.weight_bytes / 2**30,
+                    f"routed experts {self.expert_weight_bytes / 2**30:.2f} GiB"
+                    if self.expert_weight_bytes else "no routed experts")
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.snapshot_interval = self._snapshot_interval()
@@ -158,7 +162,9 @@ class LLMEngine:
         return sp, kv
 
     def memory_report(self) -> dict:
-        return {"state_slots": self.state_pool.num_slots,
+        return {"weight_bytes": self.weight_bytes,
+                "expert_weight_bytes": self.expert_weight_bytes,
+                "state_slots": self.state_pool.num_slots,
                 "state_bytes": self.state_pool.nbytes,
                 "state_bytes_per_slot": StatePool.bytes_per_slot(
                     self.model_config, self.dtype, self.ssm_dtype),

@@ -13,11 +13,9 @@
   weight is rounded to the model dtype and the products are summed in float32, as transformers'
   default (grouped_mm) experts path does.
 
-The expert loop is a dense reference on every device: each expert runs over all tokens and its
-output is weighted by the (mostly zero) routing weight, so a step costs E / top_k times the
-routed experts' FLOPs. It has no data-dependent shapes, so it never syncs and can be captured
-in a CUDA graph. There is no sparse path (gathering each expert's routed tokens for a grouped
-GEMM) yet; it is a planned issue.
+The routed experts run through `ops.moe_experts`: sparse grouped GEMMs over the routed
+(token, expert) pairs on CUDA, the dense reference (every expert over every token, weighted by the
+mostly-zero routing matrix) elsewhere. Both are sync-free and capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from torch import nn
 
 from mambaserve.config import ModelConfig
 from mambaserve.layers.mlp import MLP, GatedMLP
-from mambaserve.ops.activation import relu2
+from mambaserve.ops.moe_experts import moe_experts
 
 
 class TopkRouter(nn.Module):
@@ -44,8 +42,8 @@ class TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias",
                              torch.zeros(self.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> dense routing weights [T, num_experts] float32 (zero if unrouted)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (chosen experts [T, top_k] int64, their weights [T, top_k] float32)."""
         scores = torch.sigmoid(x.float() @ self.weight.float().t())
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
@@ -58,8 +56,7 @@ class TopkRouter(nn.Module):
         topk_w = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
             topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20)
-        topk_w = topk_w * self.routed_scaling_factor
-        return torch.zeros_like(scores).scatter_(1, topk_idx, topk_w)
+        return topk_idx, topk_w * self.routed_scaling_factor
 
 
 class SoftmaxTopkRouter(nn.Module):
@@ -70,13 +67,12 @@ class SoftmaxTopkRouter(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> dense routing weights [T, num_experts] in x's dtype (zero if
-        unrouted)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (chosen experts [T, top_k] int64, their weights [T, top_k] in x's
+        dtype)."""
         logits = F.linear(x, self.weight).float()
         top_v, top_i = logits.topk(self.top_k, dim=-1)
-        top_w = torch.softmax(top_v, dim=-1).to(x.dtype)
-        return torch.zeros(logits.shape, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
+        return top_i, torch.softmax(top_v, dim=-1).to(x.dtype)
 
 
 MOE_ROUTERS = ("sigmoid_grouped", "softmax_topk")
@@ -106,20 +102,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self._forward_swiglu(x)
-        weights = self.gate(x)  # [T, E] float32
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(self.experts_up.shape[0]):
-            h = relu2(x @ self.experts_up[e].t()) @ self.experts_down[e].t()
-            out = out + h * weights[:, e: e + 1]
-        return out.to(x.dtype) + self.shared_experts(x)
-
-    def _forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        weights = self.router(x)  # [T, E] in x's dtype
-        I = self.experts_down.shape[-1]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(self.experts_gate_up.shape[0]):
-            gate, up = F.linear(x, self.experts_gate_up[e]).split(I, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.experts_down[e])
-            out.add_(h * weights[:, e: e + 1])  # product in x's dtype, sum in float32
-        return out.to(x.dtype) + self.shared_experts(x)
+            ids, weights = self.router(x)
+            w_in, activation = self.experts_gate_up, "swiglu"
+        else:
+            ids, weights = self.gate(x)
+            w_in, activation = self.experts_up, "relu2"
+        routed = moe_experts(x, w_in, self.experts_down, ids, weights, activation)
+        return routed.to(x.dtype) + self.shared_experts(x)

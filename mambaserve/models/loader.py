@@ -147,3 +147,14 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
         raise ValueError(f"checkpoint {path} does not match the {cfg.architecture} config: "
                          + "; ".join(problems))
     return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of all the model's weights, bytes of its routed experts' weights); tied weights
+    counted once."""
+    total = experts = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        total += n
+        experts += n if name.rsplit(".", 1)[-1].startswith("experts_") else 0
+    return total, experts

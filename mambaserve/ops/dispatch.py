@@ -61,6 +61,7 @@ CONDITIONS: dict[str, Condition | None] = {
     "relu2": Condition(("x",), lambda x: x.is_contiguous(), "non-contiguous inputs"),
     "apply_rotary": None,
     "write_kv": None,
+    "moe_experts": None,
     "paged_attention": None,
     # the copy kernel moves each slot as one flat run of elements
     "save_decode_snapshots": Condition(

@@ -146,6 +146,28 @@ def test_prefill_flops_counts_matmuls_attention_and_ssd():
     assert prefill_flops(m, counts, 1, 256) > 2 * one
 
 
+@pytest.mark.parametrize("name,E,k,H,I,rows,layers", [
+    ("nemotron-3-nano-30b-a3b", 128, 6, 2688, 1856, 1856, 23),
+    ("granite-4.0-h-small", 72, 10, 4096, 768, 2 * 768, 40)])
+def test_moe_presets_count_active_parameters(name, E, k, H, I, rows, layers):
+    cfg = preset_config(name)
+    counts = ModelCounts.of(cfg)
+    m = ModelConfig.from_dict(cfg)
+    experts = layers * E * (rows + I) * H
+    assert counts.experts == experts
+    dense = counts.params - counts.embedding - experts
+    # one row reads its k experts per layer; 64 rows nearly every expert
+    assert counts.decode_weights(m, 1) == pytest.approx(dense + experts * k / E)
+    assert counts.decode_weights(m, 64) == pytest.approx(
+        dense + experts * (1 - (1 - k / E) ** 64))
+    assert counts.per_token == pytest.approx(
+        counts.params - counts.embedding - counts.lm_head * (not m.tie_word_embeddings)
+        - experts + experts * k / E)
+    tiny = ModelCounts.of(preset_config("tiny"))  # no experts: every weight
+    tiny_cfg = ModelConfig.from_dict(preset_config("tiny"))
+    assert tiny.decode_weights(tiny_cfg, 8) == tiny.params - tiny.embedding
+
+
 def test_int_list():
     assert int_list("1,8, 32") == [1, 8, 32] and int_list("4") == [4]
     with pytest.raises(ValueError, match="comma-separated"):

@@ -36,6 +36,19 @@ def test_dry_run_through_the_cli(tmp_path, capsys):
     assert "conv peer not available" in printed and "| ssu | triton | 3 |" in printed
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="the dry run is the CPU smoke test")
+def test_dry_moe_case(tmp_path):
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", "--dry", "--only", "moe", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["op"], r["impl"], r["tokens"]) for r in rows}
+    for op in ("moe dry-relu2", "moe dry-swiglu"):
+        for impl in ("triton", "torch loop", "dense ref"):
+            assert {(op, impl, 1), (op, impl, 20)} <= got
+    errs = [r["rel_err"] for r in rows if r["impl"] == "triton"]
+    assert len(errs) == 4 and all(e < 1e-2 for e in errs), errs
+
+
 def test_unknown_case_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown case"):
         from mambaserve.bench.kernels import run

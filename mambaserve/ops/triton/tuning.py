@@ -67,6 +67,12 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "rotary": MappingProxyType({"block_h": None}),
     # decode snapshot copy: elements of a slot per program
     "state_copy": MappingProxyType({"block": 4096, "num_warps": 4}),
+    # sparse MoE experts: block_m rows of one expert per block (None = 16 / 32 / 64 / 128 from
+    # the mean pairs per expert); column tiles and K steps of the in (x w_in^T, activation) and
+    # out (inter w_out^T, weight) GEMMs
+    "moe_experts": MappingProxyType({"block_m": None, "block_n_in": 64, "block_k_in": 64,
+                                     "block_n_out": 64, "block_k_out": 64, "num_warps": 4,
+                                     "num_stages": 3}),
 })
 
 # No other device has been tuned: the sm_90 values serve everywhere else.
