@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve kernels attention profile ncu audit
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve kernels attention profile ncu audit moe moe-presets
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -132,6 +132,24 @@ stage_ncu() {  # hardware counters of the SSD scan's launches, ours and mamba_ss
 stage_kernels() {  # every kernel against its reference and the peers (KERNELS_ARGS=--sweep)
     PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run kernels 300 $MS bench kernels \
         ${KERNELS_ARGS:-} --out "$W/kernels.json"
+}
+stage_moe() {  # the sparse experts: GPU tests, kernel timings, the sync audit of an MoE model
+    run moe-tests 240 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_triton_moe_experts.py \
+        tests/ops/test_moe_experts.py tests/layers/test_moe.py
+    run moe-kernels 240 $MS bench kernels --only moe --out "$W/kernels_moe.json"
+    local dir=$W/moe_small
+    $PY -c "from mambaserve.bench.presets import preset_config, write_config; \
+c = preset_config('nemotron-3-nano-30b-a3b'); \
+c.update(num_hidden_layers=4, hybrid_override_pattern='ME*E', vocab_size=1024); \
+write_config(c, '$dir')"
+    run moe-audit 120 $MS audit-syncs --model "$dir" --device cuda --load-format dummy
+}
+stage_moe-presets() {  # one batch at the MoE presets (FLOPs and bytes on active parameters)
+    for p in nemotron-3-nano-30b-a3b granite-4.0-h-small; do
+        run "one-batch-$p" 280 $MS bench one-batch --preset $p --device cuda --dtype bfloat16 \
+            --batch-size 1,8,64 --input-len 2048 --output-len 24 \
+            --engine enforce_eager=false,chunked_prefill_size=16384 --out "$W/one_batch_$p.json"
+    done
 }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$LOG"
