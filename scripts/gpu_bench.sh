@@ -32,7 +32,7 @@ $PY -c "import fastapi, uvicorn, prometheus_client, httpx, tqdm, matplotlib" 2>&
 log() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 run() {  # run STAGE_NAME DEFAULT_TIMEOUT CMD...
     local name=$1 limit=$2; shift 2
-    local var="STAGE_TIMEOUT_${name//-/_}"
+    local var="STAGE_TIMEOUT_${name//[-.]/_}"
     limit=${!var:-$limit}
     log "$name (limit ${limit}s): $*"
     timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"

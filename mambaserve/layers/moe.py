@@ -46,17 +46,22 @@ class TopkRouter(nn.Module):
         """x: [T, hidden] -> (chosen experts [T, top_k] int64, their weights [T, top_k] float32)."""
         scores = torch.sigmoid(x.float() @ self.weight.float().t())
         choice = scores + self.e_score_correction_bias
-        per_group = self.num_experts // self.n_group
-        group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        expert_mask = group_mask[:, :, None].expand(-1, -1, per_group).reshape(-1, self.num_experts)
-        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        if self.topk_group < self.n_group:  # else every group is kept (Nemotron-3-Nano: 1 of 1)
+            choice = self._keep_top_groups(choice)
         topk_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         topk_w = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
             topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20)
         return topk_idx, topk_w * self.routed_scaling_factor
+
+    def _keep_top_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """-inf outside the `topk_group` groups whose two best choice scores sum highest."""
+        per_group = self.num_experts // self.n_group
+        group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        expert_mask = group_mask[:, :, None].expand(-1, -1, per_group).reshape(-1, self.num_experts)
+        return choice.masked_fill(expert_mask == 0, float("-inf"))
 
 
 class SoftmaxTopkRouter(nn.Module):

@@ -67,18 +67,18 @@ def test_unknown_activation_is_refused():
 
 
 triton = pytest.importorskip("triton")
-from mambaserve.ops.triton.moe_experts import align_pairs, padded_pairs  # noqa: E402
+from mambaserve.ops.triton.moe_experts import align_pairs_torch, padded_pairs  # noqa: E402
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("T,E,k", [(1, 128, 6), (3, 4, 4), (64, 8, 2), (512, 72, 8),
                                    (33, 16, 1)])
-def test_align_pairs_lays_each_expert_out_in_padded_blocks(T, E, k, block_m):
+def test_torch_align_lays_each_expert_out_in_padded_blocks(T, E, k, block_m):
     g = torch.Generator().manual_seed(T + E)
     ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
     if T >= 3:
         ids[: T // 2, 0] = 1  # many tokens on one expert; others may get none
-    sorted_pairs, block_expert = align_pairs(ids, E, block_m)
+    sorted_pairs, block_expert = align_pairs_torch(ids, E, block_m)
     P = T * k
     assert sorted_pairs.numel() == padded_pairs(P, E, block_m)
     assert block_expert.numel() * block_m == sorted_pairs.numel()
