@@ -81,10 +81,22 @@ class GrammarCompiler:
             from tokenizers import Tokenizer
             from transformers import PreTrainedTokenizerFast
 
-            hf = PreTrainedTokenizerFast(
-                tokenizer_object=Tokenizer.from_file(str(self.tokenizer_file)))
+            tok = Tokenizer.from_file(str(self.tokenizer_file))
             info = xgr.TokenizerInfo.from_huggingface(
-                hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                PreTrainedTokenizerFast(tokenizer_object=tok), vocab_size=self.vocab_size,
+                stop_token_ids=self.stop_token_ids)
+            # special tokens (<s>, <|im_start|>, ...) are not text: xgrammar never allows a
+            # token whose text is empty, and matches the stop tokens by id
+            vocab = [""] * self.vocab_size
+            for text, i in tok.get_vocab(with_added_tokens=True).items():
+                if i < self.vocab_size:
+                    vocab[i] = text
+            for i, added in tok.get_added_tokens_decoder().items():
+                if added.special and i < self.vocab_size:
+                    vocab[i] = ""
+            info = xgr.TokenizerInfo(vocab, info.vocab_type, vocab_size=self.vocab_size,
+                                     stop_token_ids=self.stop_token_ids,
+                                     add_prefix_space=info.add_prefix_space)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
