@@ -49,6 +49,25 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
+# xgrammar 0.2.9 lowers a JSON string with minLength / maxLength to repetitions of this class,
+# which admits raw control characters U+0000-U+001F (invalid JSON: strict parsers refuse it);
+# it is replaced by the class of xgrammar's own unbounded JSON strings (upstream: xgrammar
+# issue #800). Escapes stay unavailable inside such bounded strings, as in xgrammar.
+_BOUNDED_STRING_CLASS = r'[^\"\\\r\n]'
+_JSON_STRING_CLASS = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _compile_json_schema(compiler, schema: str, strict_mode: bool):
+    """JSON in one line with ", " and ": " (no free whitespace), bounded strings without raw
+    control characters."""
+    xgr = import_xgrammar()
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode)
+    text = str(grammar)
+    if _BOUNDED_STRING_CLASS in text:
+        grammar = xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CLASS, _JSON_STRING_CLASS))
+    return compiler.compile_grammar(grammar)
+
+
 def choice_grammar(choices: Sequence[str]) -> str:
     """EBNF accepting exactly one of `choices` (JSON string escapes are xgrammar's literals)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -125,10 +144,8 @@ class GrammarCompiler:
     @staticmethod
     def _compile(compiler, so: StructuredOutput):
         kind, spec = so.kind, so.spec
-        json_format = {"any_whitespace": False}
         if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                                **json_format)
+            return _compile_json_schema(compiler, '{"type": "object"}', strict_mode=False)
         if kind == "json_schema":
             try:
                 schema = json.loads(spec)
@@ -138,7 +155,7 @@ class GrammarCompiler:
             if not isinstance(schema, dict):
                 raise ValueError("invalid structured output json_schema: the schema must be a "
                                  f"JSON object, got {type(schema).__name__}")
-            return compiler.compile_json_schema(spec, **json_format)
+            return _compile_json_schema(compiler, spec, strict_mode=True)
         if kind == "regex":
             return compiler.compile_regex(spec)
         if kind == "choice":

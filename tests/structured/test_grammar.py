@@ -105,6 +105,27 @@ def test_special_and_padded_ids_are_never_allowed(tiny):
     assert not ok[259:].any()
 
 
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6}},
+     "required": ["a"]},
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": 2}},
+     "required": ["a"]},
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+])
+def test_json_strings_never_hold_raw_control_characters(tiny, schema):
+    """JSON forbids U+0000-U+001F inside strings; xgrammar 0.2.9 lets length-bounded strings
+    have them, which grammar.py corrects."""
+    import json
+
+    compiler, tok = tiny
+    g = compiler.matcher(StructuredOutput("json_schema", json.dumps(schema)))
+    assert not g.advance(tok.encode('{"a": "'))
+    ok = allowed(g, TINY_VOCAB)
+    control = [tok.encode(chr(c))[0] for c in range(32)]
+    assert not ok[control].any()
+    assert ok[[tok.encode(c)[0] for c in "aZ0 ~"]].all()
+
+
 @pytest.mark.parametrize("choices", [
     ["yes", "no"], ['say "hi"', "back\\slash", "two\nlines"], ["café", "naïve ☃", "😀"],
 ])
