@@ -104,14 +104,15 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(
                 PreTrainedTokenizerFast(tokenizer_object=tok), vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids)
-            # special tokens (<s>, <|im_start|>, ...) are not text: xgrammar never allows a
-            # token whose text is empty, and matches the stop tokens by id
+            # special tokens (<s>, <|im_start|>, ...) and the stop tokens are not text:
+            # xgrammar never allows a token whose text is empty, and matches stop tokens by id
             vocab = [""] * self.vocab_size
             for text, i in tok.get_vocab(with_added_tokens=True).items():
                 if i < self.vocab_size:
                     vocab[i] = text
-            for i, added in tok.get_added_tokens_decoder().items():
-                if added.special and i < self.vocab_size:
+            special = [i for i, added in tok.get_added_tokens_decoder().items() if added.special]
+            for i in special + self.stop_token_ids:
+                if i < self.vocab_size:
                     vocab[i] = ""
             info = xgr.TokenizerInfo(vocab, info.vocab_type, vocab_size=self.vocab_size,
                                      stop_token_ids=self.stop_token_ids,

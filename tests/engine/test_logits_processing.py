@@ -139,3 +139,35 @@ def test_graph_path_matches_eager(tiny_ckpt, llm):
     a = [o.outputs for o in llm.generate(p, PARAMS)]
     b = [o.outputs for o in graphs.generate(p, PARAMS)]
     assert [[c.token_ids for c in x] for x in a] == [[c.token_ids for c in x] for x in b]
+
+
+def test_steps_with_mask_bias_and_penalties_are_sync_free(llm):
+    """Through the engine: a step's forward and sampler sections make no host sync with every
+    kind of logits processing in the batch (the read-back is the step's only one)."""
+    import contextlib
+
+    pytest.importorskip("xgrammar")
+    from mambaserve.engine.sampling_params import StructuredOutput
+    from mambaserve.tools.audit_scenarios import ENGINE_ALLOWED
+    from mambaserve.tools.sync_audit import SyncAudit
+
+    engine = llm.engine
+    ps = prompts([6, 20, 9])
+    engine.add_request("pen", ps[0], PARAMS[1])
+    engine.add_request("bias", ps[1], PARAMS[0])
+    engine.add_request("regex", ps[2], SamplingParams(
+        temperature=0.5, seed=2, max_tokens=8, structured_output=StructuredOutput(
+            "regex", "[a-z]{4,8}")))
+    steps = 0
+    try:
+        while engine.has_unfinished_requests():
+            audit = SyncAudit(root=engine.model, allow=ENGINE_ALLOWED)
+            with audit:
+                engine.runner.section = audit.section
+                engine.step()
+            steps += 1
+            assert audit.count(section="forward") == 0, audit.report()
+            assert audit.count(section="sampler") == 0, audit.report()
+    finally:
+        engine.runner.section = lambda label: contextlib.nullcontext()
+    assert steps > 5

@@ -104,8 +104,8 @@ def test_penalties_match_reference():
 
 def _penalty_batch(counts, seen, slots, presence, frequency, repetition, new_slots=(),
                    prompt_slots=(), prompt_ids=()) -> PenaltyBatch:
-    i64 = lambda x: torch.tensor(list(x), dtype=torch.int64)  # noqa: E731
-    f32 = lambda x: torch.tensor(list(x), dtype=torch.float32)  # noqa: E731
+    i64 = lambda x: torch.tensor(list(x), dtype=torch.int64)
+    f32 = lambda x: torch.tensor(list(x), dtype=torch.float32)
     return PenaltyBatch(counts=counts, prompt_seen=seen, slots=i64(slots),
                         counted=(i64(slots) > 0).to(torch.int32), presence=f32(presence),
                         frequency=f32(frequency), repetition=f32(repetition),

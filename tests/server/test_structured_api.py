@@ -14,8 +14,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from mambaserve import SamplingParams  # noqa: E402
-from mambaserve.engine.sampling_params import StructuredOutput  # noqa: E402
+from mambaserve import SamplingParams
+from mambaserve.engine.sampling_params import StructuredOutput
 
 VERDICT = {"type": "object", "properties": {
     "verdict": {"enum": ["guilty", "innocent"]},

@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from mambaserve.default_model import DEMO_MODEL_DIR  # noqa: E402
-from mambaserve.engine.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
-from mambaserve.engine.tokenizer import Tokenizer  # noqa: E402
-from mambaserve.layers.logits_processors import bitmask_words  # noqa: E402
-from mambaserve.structured.grammar import EXTRA_HINT, GrammarCompiler  # noqa: E402
+from mambaserve.default_model import DEMO_MODEL_DIR
+from mambaserve.engine.sampling_params import SamplingParams, StructuredOutput
+from mambaserve.engine.tokenizer import Tokenizer
+from mambaserve.layers.logits_processors import bitmask_words
+from mambaserve.structured.grammar import EXTRA_HINT, GrammarCompiler
 
 TINY_VOCAB, TINY_EOS = 320, 2
 

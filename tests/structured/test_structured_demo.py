@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from mambaserve import LLM, SamplingParams  # noqa: E402
-from mambaserve.default_model import DEMO_MODEL_DIR  # noqa: E402
-from mambaserve.engine.sampling_params import StructuredOutput  # noqa: E402
+from mambaserve import LLM, SamplingParams
+from mambaserve.default_model import DEMO_MODEL_DIR
+from mambaserve.engine.sampling_params import StructuredOutput
 
 N = 50
 PERSON = {"type": "object", "properties": {
