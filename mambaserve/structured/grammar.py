@@ -35,6 +35,10 @@ EXTRA_HINT = ('structured output needs the xgrammar package, which is not instal
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")  # "[12:21:21] /project/cpp/x.cc:94: "
 
 
+class _SpecError(ValueError):
+    """A spec refused before xgrammar sees it (its message is already one line)."""
+
+
 def import_xgrammar():
     """The xgrammar module, or a ValueError naming the extra that installs it."""
     try:
@@ -133,7 +137,7 @@ class GrammarCompiler:
         compiler = self._xgr_compiler()
         try:
             compiled = self._compile(compiler, so)
-        except ValueError:
+        except _SpecError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types
             raise ValueError(f"invalid structured output {so.kind}: {_one_line(e)}") from None
@@ -151,10 +155,10 @@ class GrammarCompiler:
             try:
                 schema = json.loads(spec)
             except ValueError as e:
-                raise ValueError(f"invalid structured output json_schema: the schema is not "
+                raise _SpecError(f"invalid structured output json_schema: the schema is not "
                                  f"valid JSON: {e}") from None
             if not isinstance(schema, dict):
-                raise ValueError("invalid structured output json_schema: the schema must be a "
+                raise _SpecError("invalid structured output json_schema: the schema must be a "
                                  f"JSON object, got {type(schema).__name__}")
             return _compile_json_schema(compiler, spec, strict_mode=True)
         if kind == "regex":
@@ -166,16 +170,17 @@ class GrammarCompiler:
     def matcher(self, so: StructuredOutput) -> RequestGrammar:
         """A fresh matcher for one request (compiles, or takes the cached grammar)."""
         return RequestGrammar(import_xgrammar().GrammarMatcher(self.compile(so)),
-                              self.vocab_size)
+                              self.vocab_size, self.stop_token_ids)
 
 
 class RequestGrammar:
     """One request's position in its grammar. `advance` feeds the tokens the host has read
     since the last call; `fill` writes the allowed next tokens into a bitmask row."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size  # the model's logits width: a bitmask row covers it
+        self.stop_token_ids = list(stop_token_ids)
         self.num_accepted = 0  # tokens of the request's output fed so far
         self.rejected = False  # a token the grammar did not allow arrived (never expected)
 
@@ -199,5 +204,12 @@ class RequestGrammar:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, bit j of word i is
-        token 32 * i + j)."""
+        token 32 * i + j). A finished grammar allows only the stop tokens (a step planned before
+        its request's finish was seen, as overlap scheduling may do, then ends it again)."""
+        if self.finished:
+            words = bitmask[row].view(np.uint32)
+            words[:] = 0
+            for t in self.stop_token_ids:
+                words[t // 32] |= np.uint32(1 << (t % 32))
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)

@@ -154,3 +154,11 @@ def test_advance_is_incremental_and_idempotent(demo):
     assert not g.advance(ids)
     assert allowed(g, 4096).nonzero()[0].tolist() == [0]
     assert g.advance(ids + [0]) and not g.rejected
+    assert allowed(g, 4096).nonzero()[0].tolist() == [0]  # finished: only the stop token again
+
+
+def test_a_rejected_token_finishes_the_grammar(tiny):
+    compiler, tok = tiny
+    g = compiler.matcher(StructuredOutput("regex", "[0-9]+"))
+    assert g.advance(tok.encode("x")) and g.rejected and g.finished
+    assert allowed(g, TINY_VOCAB).nonzero()[0].tolist() == [TINY_EOS]
