@@ -27,6 +27,7 @@ from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.stop_checker import StopChecker
 from mambaserve.engine.tokenizer import Tokenizer
 from mambaserve.models.loader import load_model, weight_bytes
+from mambaserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("mambaserve")
 DEFAULT_CPU_BUDGET = 1 << 30
@@ -60,6 +61,10 @@ class LLMEngine:
             StopChecker(self.tokenizer, set(self.model_config.eos_token_ids)),
             SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None)
         self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
+        # structured output: compiles on first use (xgrammar imported then)
+        self.grammars = GrammarCompiler(
+            path / "tokenizer.json" if self.tokenizer is not None else None,
+            self.model_config.vocab_size, self.scheduler.stop_checker.eos_token_ids)
         eager = config.enforce_eager if config.enforce_eager is not None \
             else self.device.type != "cuda"
         if not eager:
@@ -180,6 +185,11 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.validate_prompt(prompt)
+        params.validate()
+        params.check_vocab(self.model_config.vocab_size)
+        so = params.structured_output
+        if so is not None:
+            self.grammars.compile(so)  # a bad schema / pattern / grammar: ValueError, nothing queued
         room = self.max_model_len - len(ids)
         max_total = len(ids) + min(params.max_tokens or room, room)
         children = []
@@ -190,6 +200,8 @@ class LLMEngine:
                           arrival=next(self._counter), index=i, parent_id=request_id)
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
+            if so is not None:
+                req.grammar = self.grammars.matcher(so)
             children.append(req)
         for req in children:
             self.scheduler.add(req)

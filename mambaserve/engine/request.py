@@ -37,6 +37,8 @@ class Request:
     output_text: str = ""
     index: int = 0  # completion index within its parent request (n > 1)
     parent_id: str | None = None
+    # structured output: the request's grammar matcher (structured/grammar.RequestGrammar)
+    grammar: object | None = None
     # prefix cache (see engine/snapshot_policy.py)
     cache_path: list = field(default_factory=list)  # matched tree nodes, locked while running
     # snapshots handed to the tree as soon as their forward ran: position -> slot (-1 = not

@@ -17,6 +17,7 @@ import torch
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.state_pool import StatePool
 from mambaserve.engine.batch import Batch, RowResult
+from mambaserve.engine.penalty_state import PenaltyState
 from mambaserve.engine.sampling_metadata import SamplingMetadata, SamplingPlan
 from mambaserve.host_upload import upload
 from mambaserve.layers.sampler import compute_logprobs, sample
@@ -31,13 +32,15 @@ class ModelRunner:
         self.chunk_size, self.conv_kernel = cfg.chunk_size, cfg.conv_kernel
         self.on_forward = None  # test hook: called with (batch, meta) before the forward
         self.graph_runner = None  # engine/cuda_graph.CudaGraphRunner when graphs are enabled
+        # per-request token counts for penalties (device rows allocated on first use)
+        self.penalties = PenaltyState(cfg.vocab_size, device)
         # labels the phases of a step for the sync audit (tools/sync_audit.py)
         self.section: Callable[[str], contextlib.AbstractContextManager] = \
             lambda label: contextlib.nullcontext()
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[RowResult]:
-        plan = SamplingPlan.from_batch(batch)
+        plan = SamplingPlan.from_batch(batch, self.penalties)
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(batch):
             # decode-only batch: static buffers + captured graph (engine/cuda_graph.py)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias is in [-100, 100]
+PENALTY_RANGE = 2.0  # presence / frequency penalties in [-2, 2] (OpenAI's range)
+# repetition penalty bounds: every value stays a normal float32 and logit * penalty finite
+REPETITION_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,33 @@ class StructuredOutput:
 
     kind: str
     spec: str | list[str] | None = None
+
+    def problem(self) -> str | None:
+        """What is wrong with the kind / spec shape (None: fine). Whether a schema, pattern or
+        grammar compiles is checked when the engine admits the request (mambaserve/structured)."""
+        if self.kind not in STRUCTURED_KINDS:
+            return f"structured_output kind must be one of {', '.join(STRUCTURED_KINDS)}, " \
+                   f"got {self.kind!r}"
+        spec = self.spec
+        if self.kind == "json_object":
+            return None if spec is None else "structured_output 'json_object' takes no spec"
+        if self.kind == "choice":
+            if not isinstance(spec, (list, tuple)) or not spec or not all(
+                    isinstance(c, str) and c for c in spec):
+                return "structured_output 'choice' spec must be a non-empty list of non-empty " \
+                       "strings"
+            return None
+        if not isinstance(spec, str) or not spec.strip():
+            what = {"json_schema": "the JSON schema as JSON text (json.dumps(schema))",
+                    "regex": "the regular expression", "grammar": "the EBNF grammar"}[self.kind]
+            return f"structured_output {self.kind!r} spec must be a non-empty string: {what}"
+        return None
+
+    @property
+    def key(self) -> tuple:
+        """Hashable identity of the constraint (the compile cache's key)."""
+        spec = tuple(self.spec) if isinstance(self.spec, (list, tuple)) else self.spec
+        return self.kind, spec
 
 
 @dataclass
@@ -38,6 +70,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = None
+    # logits processing (docs/server.md "Logit bias and penalties"): token id -> bias added to
+    # the logit; presence / frequency penalties over the generated tokens (OpenAI);
+    # repetition penalty over prompt + generated tokens (vLLM / transformers; 1 = off)
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop_list: list[str] = field(init=False, default_factory=list)
 
     MAX_LOGPROBS = 20
@@ -51,6 +90,21 @@ class SamplingParams:
         """The host must know this request's last token before building its next step (a
         constrained request's token mask depends on it), so such a step cannot run ahead."""
         return self.structured_output is not None
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Presence, frequency or repetition penalty active (per-request token counts kept on
+        the device)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or \
+            self.repetition_penalty != 1.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids this request names (logit_bias keys) are inside the model's vocabulary
+        (`vocab_size` logits)."""
+        for t in self.logit_bias or ():
+            if t >= vocab_size:
+                raise ValueError(f"invalid SamplingParams: logit_bias token id {t} is outside "
+                                 f"the vocabulary (size {vocab_size})")
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -84,5 +138,32 @@ class SamplingParams:
         if self.stop_token_ids is not None and any(
                 not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
-        if self.structured_output is not None:
-            bad("structured_output is not supported yet")
+        so = self.structured_output
+        if so is not None:
+            if not isinstance(so, StructuredOutput):
+                bad(f"structured_output must be a StructuredOutput, got {type(so).__name__}")
+            if (msg := so.problem()) is not None:
+                bad(msg)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -PENALTY_RANGE <= v <= PENALTY_RANGE:
+                bad(f"{name} must be a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], "
+                    f"got {v!r}")
+        lo, hi = REPETITION_RANGE
+        if not _is_number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            bad(f"repetition_penalty must be a number in [{lo:g}, {hi:g}] (1 = off), "
+                f"got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad(f"logit_bias must be a dict of token id -> bias, got "
+                    f"{type(self.logit_bias).__name__}")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    bad(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                    bad(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                        f"{MAX_LOGIT_BIAS:g}], got {b!r} for token {t}")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

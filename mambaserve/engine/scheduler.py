@@ -116,6 +116,9 @@ class Scheduler:
             if res.top_logprobs is not None:
                 req.output_logprobs.append(res.top_logprobs)
             stop = self.stop_checker.check(req)
+            if stop is None and req.grammar is not None and \
+                    req.grammar.advance(req.output_token_ids):
+                stop = ("stop", None)  # structured output: the grammar is complete
             if stop is not None:
                 self.finish(req, *stop)
 

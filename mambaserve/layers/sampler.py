@@ -13,6 +13,11 @@ cumulative probability is >= top_p), then min-p (drop tokens with probability < 
 probability). Each filter is a per-row logit threshold, so ties at a boundary are all KEPT
 (top-k may keep more than k tokens if several equal the k-th largest value). Reported logprobs are
 those of the RAW logits (model distribution, before temperature and filters).
+
+Before any of that, rows may have their logits processed (layers/logits_processors.py, each op
+only when some row of the step uses it, by host flag): the structured-output token mask, then
+logit_bias, then the repetition / frequency / presence penalties. Greedy rows take the argmax of
+the processed logits too; reported logprobs stay those of the raw logits.
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ import numpy as np
 import torch
 
 from mambaserve.host_upload import upload
+from mambaserve.layers.logits_processors import (
+    PenaltyBatch,
+    apply_logit_bias,
+    apply_token_bitmask,
+)
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 _M32 = 0xFFFFFFFF
@@ -45,26 +55,47 @@ class SamplingBatch:
     num_logprobs: int  # host int: how many top alternatives to return (0 = none)
     all_greedy: bool  # host flag: every row is greedy (skip the random path)
     need_filters: bool  # host flag: some row uses top_k / top_p / min_p
+    # logits processing (None: no row of the step uses it)
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32; all ones = no constraint
+    bias_rows: torch.Tensor | None = None  # [N] int64: logit_bias entries (row, token, value)
+    bias_tokens: torch.Tensor | None = None  # [N] int64
+    bias_values: torch.Tensor | None = None  # [N] float32
+    penalties: PenaltyBatch | None = None  # per-request token counts on the device
 
     @staticmethod
     def host_arrays(temperature: list[float], top_k: list[int], top_p: list[float],
-                    min_p: list[float], seed: list[int], step: list[int]) -> dict[str, np.ndarray]:
+                    min_p: list[float], seed: list[int], step: list[int], *,
+                    logit_bias: list[dict[int, float] | None] | None = None,
+                    token_bitmask: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The per-row parameters as host arrays, to upload with the step's other arrays.
 
         Seeds may be any Python int; they are reduced mod 2**64 and reinterpreted as int64.
+        `logit_bias` (one dict or None per row) becomes (row, token, value) entries, and
+        `token_bitmask` [B, ceil(V/32)] int32 is passed on; each is left out when no row uses
+        it, which is the host flag `from_tensors` reads.
         """
         b = len(temperature)
         assert all(len(x) == b for x in (top_k, top_p, min_p, seed, step))
         seeds = [((s + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63) for s in seed]
-        return {"temperature": np.array(temperature, dtype=np.float32),
-                "top_k": np.array(top_k, dtype=np.int32),
-                "top_p": np.array(top_p, dtype=np.float32),
-                "min_p": np.array(min_p, dtype=np.float32),
-                "seed": np.array(seeds, dtype=np.int64), "step": np.array(step, dtype=np.int64)}
+        out = {"temperature": np.array(temperature, dtype=np.float32),
+               "top_k": np.array(top_k, dtype=np.int32),
+               "top_p": np.array(top_p, dtype=np.float32),
+               "min_p": np.array(min_p, dtype=np.float32),
+               "seed": np.array(seeds, dtype=np.int64), "step": np.array(step, dtype=np.int64)}
+        entries = [(i, t, v) for i, d in enumerate(logit_bias or ()) for t, v in (d or {}).items()]
+        if entries:
+            rows, tokens, values = zip(*entries)
+            out["bias_rows"] = np.array(rows, dtype=np.int64)
+            out["bias_tokens"] = np.array(tokens, dtype=np.int64)
+            out["bias_values"] = np.array(values, dtype=np.float32)
+        if token_bitmask is not None:
+            assert token_bitmask.dtype == np.int32 and token_bitmask.shape[0] == b
+            out["token_bitmask"] = token_bitmask
+        return out
 
     @staticmethod
     def from_tensors(tensors: dict[str, torch.Tensor], arrays: dict[str, np.ndarray],
-                     num_logprobs: int) -> SamplingBatch:
+                     num_logprobs: int, penalties: PenaltyBatch | None = None) -> SamplingBatch:
         """Over uploaded `host_arrays` (`tensors`); the host flags come from `arrays`."""
         need_filters = bool((arrays["top_k"] > 0).any() or (arrays["top_p"] < 1.0).any()
                             or (arrays["min_p"] > 0).any())
@@ -73,14 +104,19 @@ class SamplingBatch:
             min_p=tensors["min_p"], seed=tensors["seed"], step=tensors["step"],
             num_logprobs=num_logprobs,
             all_greedy=bool((arrays["temperature"] < GREEDY_EPS).all()),
-            need_filters=need_filters)
+            need_filters=need_filters, token_bitmask=tensors.get("token_bitmask"),
+            bias_rows=tensors.get("bias_rows"), bias_tokens=tensors.get("bias_tokens"),
+            bias_values=tensors.get("bias_values"), penalties=penalties)
 
     @staticmethod
     def from_lists(temperature: list[float], top_k: list[int], top_p: list[float],
                    min_p: list[float], seed: list[int], step: list[int], num_logprobs: int,
-                   device: torch.device | str) -> SamplingBatch:
+                   device: torch.device | str, *,
+                   logit_bias: list[dict[int, float] | None] | None = None,
+                   token_bitmask: np.ndarray | None = None) -> SamplingBatch:
         """Host lists -> device parameters with one upload (`host_upload.upload`)."""
-        arrays = SamplingBatch.host_arrays(temperature, top_k, top_p, min_p, seed, step)
+        arrays = SamplingBatch.host_arrays(temperature, top_k, top_p, min_p, seed, step,
+                                           logit_bias=logit_bias, token_bitmask=token_bitmask)
         return SamplingBatch.from_tensors(upload(arrays, device), arrays, num_logprobs)
 
 
@@ -180,22 +216,39 @@ def compute_logprobs(
     return lp, ids, vals - lse
 
 
+def process_logits(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The token mask, logit_bias and penalties of the rows that use them (out of place; `x`
+    itself when the step uses none). Resets the penalty rows handed out this step first."""
+    if batch.token_bitmask is not None:
+        x = apply_token_bitmask(x, batch.token_bitmask)
+    if batch.bias_rows is not None:
+        x = apply_logit_bias(x, batch.bias_rows, batch.bias_tokens, batch.bias_values)
+    if batch.penalties is not None:
+        batch.penalties.prepare()
+        x = batch.penalties.apply(x)
+    return x
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Sample one token per row. logits [B, V] (float32, or bf16/fp16: upcast to float32).
 
     Returns token ids [B] int64 and raw logprobs; no host syncs, shapes depend on host ints only.
+    With penalties, the sampled tokens are counted into their requests' rows on the device.
     """
     x = logits.float()
-    greedy_ids = torch.argmax(x, dim=-1)
+    proc = process_logits(x, batch)
+    greedy_ids = torch.argmax(proc, dim=-1)
     if batch.all_greedy:
         ids = greedy_ids
     else:
         is_greedy = batch.temperature < GREEDY_EPS
         temp = torch.where(is_greedy, 1.0, batch.temperature)
-        scaled = x / temp[:, None]
+        scaled = proc / temp[:, None]
         if batch.need_filters:
             scaled = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
         scaled.add_(gumbel_noise(batch.seed, batch.step, x.shape[-1]))
         ids = torch.where(is_greedy, greedy_ids, torch.argmax(scaled, dim=-1))
+    if batch.penalties is not None:
+        batch.penalties.record(ids)
     lp, topk_ids, topk_lp = compute_logprobs(x, ids, batch.num_logprobs)
     return SamplerOutput(token_ids=ids, logprobs=lp, topk_ids=topk_ids, topk_logprobs=topk_lp)

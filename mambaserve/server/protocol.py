@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from mambaserve.engine.prompt import PromptError, validate_prompt_ids
 from mambaserve.engine.sampling_params import SamplingParams
 from mambaserve.engine.tokenizer import ChatTemplateError
+from mambaserve.server.structured_request import FieldError, sampling_extras
 
 MAX_N = 16  # completions per prompt
 MAX_BATCH = 256  # prompts in one /v1/completions request
@@ -202,23 +203,6 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
 
 
-def _unsupported(body: dict) -> None:
-    """Parameters the engine cannot honour: accepted at their neutral value, refused otherwise."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = get_float(body, name, 0.0, lo=-2.0, hi=2.0)
-        if v != 0.0:
-            raise APIError(f"'{name}' is not supported by this server (only 0)", param=name,
-                           code="unsupported_parameter")
-    v = get_float(body, "repetition_penalty", 1.0)
-    if v != 1.0:
-        raise APIError("'repetition_penalty' is not supported by this server (only 1)",
-                       param="repetition_penalty", code="unsupported_parameter")
-    lb = get_obj(body, "logit_bias")
-    if lb:
-        raise APIError("'logit_bias' is not supported by this server", param="logit_bias",
-                       code="unsupported_parameter")
-
-
 def _sampling(body: dict, *, max_tokens, logprobs: int | None, vocab_size: int
               ) -> tuple[SamplingParams, int, list[str]]:
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
@@ -254,14 +238,20 @@ def _sampling(body: dict, *, max_tokens, logprobs: int | None, vocab_size: int
     ignore_eos = get_bool(body, "ignore_eos", False)
     include_stop = get_bool(body, "include_stop_str_in_output", False)
     skip_special = get_bool(body, "skip_special_tokens", True)
-    _unsupported(body)
+    # ---- structured output, logit_bias, penalties (issue 23): server/structured_request.py
+    try:
+        extras = sampling_extras(body, vocab_size)
+    except FieldError as e:
+        raise APIError(str(e), param=e.param, code=e.code) from None
+    # ---- end of structured output, logit_bias, penalties
     try:
         params = SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
             max_tokens=max_tokens, min_tokens=min_tokens, stop=stop or None,
             stop_token_ids=stop_ids, ignore_eos=ignore_eos,
             logprobs=logprobs,  # 0: the sampled token's logprob only
-            skip_special_tokens=skip_special, include_stop_str_in_output=include_stop)
+            skip_special_tokens=skip_special, include_stop_str_in_output=include_stop,
+            **extras)
     except ValueError as e:
         raise APIError(str(e), code="invalid_value") from None
     return params, n, stop
@@ -402,10 +392,6 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int) -> Pa
     if body.get("functions"):
         raise APIError("function calling is not supported by this server", param="functions",
                        code="unsupported_parameter")
-    rf = get_obj(body, "response_format")
-    if rf and rf.get("type") not in (None, "text"):
-        raise APIError("only response_format {\"type\": \"text\"} is supported",
-                       param="response_format", code="unsupported_parameter")
     mct = get_int(body, "max_completion_tokens", None, lo=1)
     max_tokens = mct if mct is not None else get_int(body, "max_tokens", None, lo=1)
     want_lp = get_bool(body, "logprobs", False)

@@ -47,8 +47,8 @@ CASES = [
     (CMPL, {"prompt": "x", "stop": [""]}, 400, "stop"),
     (CMPL, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (CMPL, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
-    (CMPL, {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
-    (CMPL, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "x", "presence_penalty": 3.0}, 400, "presence_penalty"),
+    (CMPL, {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
     (CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of"),
     (CMPL, {"prompt": "x", "stream_options": "on", "stream": True}, 400, "stream_options"),
     (CMPL, {"prompt": ""}, 400, "prompt"),
@@ -81,7 +81,7 @@ CASES = [
     (CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature"),
     (CHAT, {"messages": MSG, "n": 100}, 400, "n"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+    (CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, 400,
      "response_format"),
 ]
 
