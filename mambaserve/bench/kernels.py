@@ -105,7 +105,7 @@ def run(only: list[str], sweep: bool, out: str, dry: bool, conv_peer_file: str |
         if "attention" in only:
             kernels_prefill.attention_prefill(h, sizes("attention"), sweep)
         if "moe" in only:
-            kernels_moe.moe(h, sizes("moe"))
+            kernels_moe.moe(h, sizes("moe"), sweep)
     finally:
         res["wall_s"] = time.time() - t0
         add_peer_ratios(res["rows"])

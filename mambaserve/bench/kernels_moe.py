@@ -34,12 +34,19 @@ SHAPES = [MoeShape("nemotron-3-nano-30b-a3b", 128, 6, 2688, 1856, "relu2"),
           MoeShape("granite-4.0-h-small", 72, 10, 4096, 768, "swiglu")]
 DRY_SHAPES = [MoeShape("dry-relu2", 16, 4, 64, 32, "relu2"),
               MoeShape("dry-swiglu", 8, 2, 32, 48, "swiglu")]
+# --sweep: launch-parameter variants of our kernel (tuning entry "moe_experts"), every size
+SWEEP = [dict(block_n_in=32, block_n_out=32, block_k_in=128, block_k_out=128),
+         dict(block_n_in=64, block_n_out=64, block_k_in=128, block_k_out=128, num_stages=4),
+         dict(block_n_in=128, block_n_out=128, block_k_in=64, block_k_out=64, num_warps=8),
+         dict(block_n_in=128, block_n_out=128, block_k_in=64, block_k_out=64, num_warps=8,
+              num_stages=4)]
 DENSE_MAX_TOKENS = 2048
 BANDWIDTH_MAX_TOKENS = 64
 
 
-def moe(h: Harness, token_counts: list[int]) -> None:
+def moe(h: Harness, token_counts: list[int], sweep: bool = False) -> None:
     from mambaserve.ops.moe_experts import moe_experts_loop, moe_experts_ref
+    from mambaserve.ops.triton import tuning
     from mambaserve.ops.triton.moe_experts import moe_experts_triton
 
     dev, dt = h.device, h.dtype
@@ -65,6 +72,12 @@ def moe(h: Harness, token_counts: list[int]) -> None:
                      ("torch loop", lambda: moe_experts_loop(*args), None)]
             if T <= DENSE_MAX_TOKENS:
                 impls.append(("dense ref", lambda: moe_experts_ref(*args), None))
+            for knobs in SWEEP if sweep else []:
+                def variant(knobs=knobs):
+                    with tuning.override("moe_experts", **knobs):
+                        return moe_experts_triton(*args)
+                name = "triton " + ",".join(f"{k}={v}" for k, v in knobs.items())
+                impls.append((name, variant, rel(variant(), ref)))
             for impl, fn, e in impls:
                 ms = h.time_ms(fn, rep=30)
                 rate = ({"TBps": nbytes / ms / 1e9} if T <= BANDWIDTH_MAX_TOKENS
