@@ -43,6 +43,7 @@ class ChatChoiceOutput:
         self.call_ids: list[str] = []  # announced calls
         self.sent_args: list[str] = []
         self.diverged = False
+        self.called_tools = False  # the final parse found tool calls (finish_reason tool_calls)
 
     def _parse(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = "", text
@@ -73,6 +74,8 @@ class ChatChoiceOutput:
         """The delta message for `text` (everything sent so far plus what is new); {} when
         there is nothing new."""
         reasoning, content, calls = self._parse(text, final)
+        if final:
+            self.called_tools = bool(calls)
         out: dict = {}
         if reasoning.startswith(self.sent_reasoning) and len(reasoning) > len(self.sent_reasoning):
             out["reasoning_content"] = reasoning[len(self.sent_reasoning):]
@@ -104,7 +107,3 @@ class ChatChoiceOutput:
         if entries:
             out["tool_calls"] = entries
         return out
-
-    @property
-    def called_tools(self) -> bool:
-        return bool(self.call_ids)
