@@ -142,7 +142,34 @@ def parse_messages(body: dict) -> list[dict]:
     return messages
 
 
+# OpenAI chat fields this server cannot honour (refused unless null / neutral), and those it
+# accepts without effect (checked for type): it stores nothing, has one service tier, no cache
+# keys or safety identifiers of its own
+REFUSED = {"audio": "audio output", "prediction": "predicted outputs",
+           "web_search_options": "web search", "verbosity": "the verbosity hint"}
+ACCEPTED = {"metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
+            "safety_identifier": str}
+
+
+def check_openai_fields(body: dict) -> None:
+    for name, what in REFUSED.items():
+        if body.get(name) is not None:
+            raise APIError(f"'{name}' ({what}) is not supported by this server", param=name,
+                           code="unsupported_parameter")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise APIError("'modalities' other than [\"text\"] are not supported by this server",
+                       param="modalities", code="unsupported_parameter")
+    for name, kind in ACCEPTED.items():
+        v = body.get(name)
+        if v is not None and (not isinstance(v, kind) or (kind is not bool and
+                                                          isinstance(v, bool))):
+            raise _type_error(name, {dict: "an object", bool: "a boolean",
+                                     str: "a string"}[kind], v)
+
+
 def parse_chat_inputs(body: dict, config: ChatConfig) -> ChatInputs:
+    check_openai_fields(body)
     messages = parse_messages(body)
     tools = parse_tools(body, config.tool_call_parser)
     kwargs = dict(get_obj(body, "chat_template_kwargs"))

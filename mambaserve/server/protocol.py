@@ -127,6 +127,9 @@ def _sampling(body: dict, *, max_tokens, logprobs: int | None, vocab_size: int
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     opts = get_obj(body, "stream_options")
+    if opts and not stream:  # issue 23 (api-server): as OpenAI and vLLM answer
+        raise APIError("'stream_options' is only allowed with 'stream': true",
+                       param="stream_options", code="invalid_value")
     include = get_bool(opts, "include_usage", False)
     continuous = get_bool(opts, "continuous_usage_stats", False)
     return include and stream, continuous and stream
