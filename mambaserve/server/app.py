@@ -305,7 +305,7 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
             return parse(body, engine.tokenizer, vocab, engine.max_model_len)
         except APIError:
             raise
-        except Exception as e:  # noqa: BLE001 - a request our parser did not foresee
+        except Exception as e:
             logger.warning("unforeseen %s while parsing a request (answered 400): %s",
                            type(e).__name__, e)
             logger.debug("parse error", exc_info=True)

@@ -15,11 +15,11 @@ generations whose text the parsers then read, token by token when streamed.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import torch
-
 from tiny_checkpoint import add_byte_tokenizer, make_tiny_checkpoint
 
 EOS = "</s>"
@@ -87,7 +87,7 @@ def make_forced_checkpoint(path: Path, scale: float = 40.0) -> Path:
     successor: dict[int, int] = {}
     for sel, chain in CHAINS.items():
         ids = [tid(sel)] + [tid(p) for p in chain] + [tid(EOS)]
-        for a, b in zip(ids, ids[1:]):
+        for a, b in itertools.pairwise(ids):
             assert successor.setdefault(a, b) == b, f"token {a} has two successors"
     for a, b in successor.items():
         head[b] += scale * hidden[a] / hidden[a].pow(2).sum()

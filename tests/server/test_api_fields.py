@@ -54,8 +54,8 @@ def test_max_completion_tokens_wins(server):
 @pytest.mark.parametrize("path", [CMPL, CHAT])
 def test_include_usage(server, path):
     client = server.client()
-    kw = dict(model=server.model, max_tokens=4, extra_body={"ignore_eos": True}, stream=True,
-              stream_options={"include_usage": True})
+    kw = {"model": server.model, "max_tokens": 4, "extra_body": {"ignore_eos": True},
+          "stream": True, "stream_options": {"include_usage": True}}
     stream = client.chat.completions.create(messages=MSG, **kw) if path == CHAT else \
         client.completions.create(prompt="Hello", **kw)
     chunks = list(stream)
@@ -70,7 +70,7 @@ def test_chat_echo_prepends_the_last_assistant_message(server):
     being generated (the assistant's)."""
     client = server.client()
     messages = MSG + [{"role": "assistant", "content": "Well,"}]
-    kw = dict(model=server.model, messages=messages, max_tokens=4, temperature=0)
+    kw = {"model": server.model, "messages": messages, "max_tokens": 4, "temperature": 0}
     plain = client.chat.completions.create(**kw).choices[0].message.content
     echoed = client.chat.completions.create(extra_body={"echo": True}, **kw)
     assert echoed.choices[0].message.content == "Well," + plain

@@ -114,8 +114,8 @@ def test_streamed_echo_logprobs_equal_the_plain_ones(server, requests, max_token
     ctx, cont = requests
     client = server.client()
     prompt = ctx[1] + cont[1]
-    kw = dict(model=server.model, prompt=prompt, max_tokens=max_tokens, logprobs=2, echo=True,
-              temperature=0)
+    kw = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "logprobs": 2,
+          "echo": True, "temperature": 0}
     plain = client.completions.create(**kw).choices[0]
     text, tokens, lps, offsets, finish = "", [], [], [], None
     for chunk in client.completions.create(stream=True, **kw):

@@ -7,10 +7,10 @@ chat_template_kwargs enable_thinking, as Nemotron's does."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import start_server
-from mambaserve.server.reasoning_parsers import ThinkReasoningParser, reasoning_parser_class
 from test_tool_calls import forced_ckpt  # noqa: F401 - the session fixture
+
+from mambaserve.server.reasoning_parsers import ThinkReasoningParser, reasoning_parser_class
 
 OPEN = "<SPECIAL_11>Assistant\n<think>\n"  # how Nemotron-Nano-v2's template ends a prompt
 CLOSED = "<SPECIAL_11>Assistant\n<think></think>"  # ... with /no_think

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import start_server
 from forced_checkpoint import EXPECTED, make_forced_checkpoint
 
@@ -92,7 +91,7 @@ def test_single_call_streamed(nemotron):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_calls(nemotron, stream):
-    kw = dict(messages=_ask("2"), tools=ARITH, temperature=0)
+    kw = {"messages": _ask("2"), "tools": ARITH, "temperature": 0}
     if stream:
         final, chunks = _streamed(nemotron, **kw)
         indexes = [tc.index for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls
@@ -109,7 +108,7 @@ def test_parallel_calls(nemotron, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_hermes_format(hermes, stream):
-    kw = dict(messages=_ask("3"), tools=[TIME], temperature=0)
+    kw = {"messages": _ask("3"), "tools": [TIME], "temperature": 0}
     final = _streamed(hermes, **kw)[0] if stream else \
         hermes.client().chat.completions.create(model=hermes.model, **kw)
     ch = final.choices[0]
@@ -122,7 +121,7 @@ def test_hermes_format(hermes, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_no_call_and_malformed_call_are_content(nemotron, stream):
     for sel in ("4", "5"):  # plain text; a call whose JSON is broken
-        kw = dict(messages=_ask(sel), tools=[WEATHER], temperature=0)
+        kw = {"messages": _ask(sel), "tools": [WEATHER], "temperature": 0}
         final = _streamed(nemotron, **kw)[0] if stream else \
             nemotron.client().chat.completions.create(model=nemotron.model, **kw)
         ch = final.choices[0]

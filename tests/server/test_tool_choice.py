@@ -14,7 +14,7 @@ from mambaserve.server.fields import APIError
 from mambaserve.server.tool_choice import constraint, parse_tools
 
 xgr = pytest.importorskip("xgrammar")
-from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
+from xgrammar.testing import _is_grammar_accept_string
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
