@@ -36,8 +36,8 @@ class ChatOutputSpec:
 
 
 class ChatChoiceOutput:
-    def __init__(self, spec: ChatOutputSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ChatOutputSpec | None) -> None:
+        self.spec = spec or ChatOutputSpec()
         self.sent_reasoning = ""
         self.sent_content = ""
         self.call_ids: list[str] = []  # announced calls

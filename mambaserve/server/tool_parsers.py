@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 _WS = re.compile(r"[ \t\n\r]*")
 _STRING_BODY = re.compile(r'[^"\\]*')
+_PLAIN = re.compile(r'[^"{}\[\]]*')
 _SCALAR = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -71,24 +72,21 @@ def _value_end(s: str, i: int) -> int | None:
     elif c in "{[":
         depth, j = 0, i
         end = None
-        while j < len(s):
+        while True:
+            j = _PLAIN.match(s, j).end()  # jump to the next quote or bracket
+            if j >= len(s):
+                return None
             ch = s[j]
             if ch == '"':
-                k = _string_end(s, j)
-                if k is None:
+                j = _string_end(s, j)
+                if j is None:
                     return None
-                j = k
                 continue
-            if ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    end = j + 1
-                    break
+            depth += 1 if ch in "{[" else -1
             j += 1
-        if end is None:
-            return None
+            if depth == 0:
+                end = j
+                break
     else:
         m = _SCALAR.match(s, i)
         if m is None or m.end() == i:
