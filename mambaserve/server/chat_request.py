@@ -50,7 +50,9 @@ class ChatInputs:
     def output_spec(self, config: ChatConfig, prompt: str) -> ChatOutputSpec:
         """How the output of this request is read, once its prompt is rendered."""
         reasoning = None
-        if config.reasoning_parser is not None:
+        forced = self.tools is not None and self.tools.choice in ("required", "named")
+        # a forced call is constrained from the first token: the output is the call itself
+        if config.reasoning_parser is not None and not forced:
             reasoning = reasoning_parser_class(config.reasoning_parser)(
                 prompt, self.template_kwargs)
         echo = ""

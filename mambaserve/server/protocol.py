@@ -259,12 +259,13 @@ def _with_tool_constraint(params: SamplingParams, chat: ChatInputs,
     so = constraint(chat.tools, config.tool_call_parser)
     if so is None:
         return params
+    what = "tool_choice " + ('"required"' if chat.tools.choice == "required" else
+                             f"naming {chat.tools.named!r}")
     if params.structured_output is not None:
-        raise APIError(f'tool_choice "{chat.tools.choice}" cannot be combined with '
-                       "response_format or guided decoding", param="tool_choice",
-                       code="invalid_value")
+        raise APIError(f"{what} cannot be combined with response_format or guided decoding",
+                       param="tool_choice", code="invalid_value")
     try:
         return dataclasses.replace(params, structured_output=so)
     except ValueError as e:
-        raise APIError(f'tool_choice "{chat.tools.choice}" needs constrained decoding: {e}',
-                       param="tool_choice", code="unsupported_parameter") from None
+        raise APIError(f"{what} needs constrained decoding: {e}", param="tool_choice",
+                       code="unsupported_parameter") from None

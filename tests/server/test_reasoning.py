@@ -104,3 +104,18 @@ def test_template_kwargs_reserved_names(reasoning):
     r = httpx.post(reasoning.url + "/v1/chat/completions", json={
         "messages": _messages("hi"), "chat_template_kwargs": {"messages": []}}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_forced_call_output_is_not_split():
+    """tool_choice required / named: the constraint starts the call at the first token, so the
+    output is read for calls only (no reasoning split)."""
+    from mambaserve.server.chat_request import ChatConfig, parse_chat_inputs
+
+    config = ChatConfig("nemotron_json", "deepseek_r1")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice, split in (("auto", True), ("required", False),
+                          ({"type": "function", "function": {"name": "f"}}, False)):
+        chat = parse_chat_inputs({"messages": [{"role": "user", "content": "x"}],
+                                  "tools": tools, "tool_choice": choice}, config)
+        spec = chat.output_spec(config, OPEN)
+        assert (spec.reasoning is not None) == split and spec.tool_parser is not None
