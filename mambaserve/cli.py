@@ -186,6 +186,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if not ok:  # NaN fails too
             raise ValueError(f"{flag} must be {'>= 0' if flag == '--drain-timeout' else '> 0'} "
                              f"seconds{'' if flag != '--max-body-mb' else ' (MiB)'}, got {v}")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     api_key = a.api_key if a.api_key is not None else os.environ.get("MAMBASERVE_API_KEY")
     return serve(a.model_path or a.model, a.host, a.port, served_model_name=a.served_model_name,
                  max_waiting=None if a.max_waiting < 0 else a.max_waiting,
@@ -194,7 +196,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                  allowed_hosts=_csv(a.allowed_hosts) if a.allowed_hosts is not None else None,
                  max_body_bytes=max(1, int(a.max_body_mb * (1 << 20))),
                  timeout_keep_alive_s=a.timeout_keep_alive, timeout_header_s=a.timeout_header,
-                 timeout_body_s=a.timeout_body, **_engine_settings(a))
+                 timeout_body_s=a.timeout_body, tool_call_parser=a.tool_call_parser,
+                 reasoning_parser=a.reasoning_parser, **_engine_settings(a))
 
 
 def _server_commands(sub) -> None:
@@ -236,6 +239,19 @@ def _server_commands(sub) -> None:
     s.add_argument("--timeout-body", type=float, default=30.0,
                    help="seconds a request has to send its body before it gets 408 "
                         "(default: %(default)s)")
+    from mambaserve.server.reasoning_parsers import REASONING_PARSERS
+    from mambaserve.server.tool_parsers import TOOL_PARSERS
+
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format, read into tool_calls (vLLM's names; "
+                        "nemotron_json: NemotronH, hermes / granite4: Granite 4.0); needed "
+                        "for tool_choice auto (default: none)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool_choice auto is on whenever "
+                        "--tool-call-parser is given")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into reasoning_content (vLLM's names; "
+                        "deepseek_r1: Nemotron-Nano-v2) (default: none)")
     s.add_argument("--log-level", default="info", help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)
 

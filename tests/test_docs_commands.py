@@ -11,7 +11,8 @@ or `bash scripts/...` is checked:
 * `python scripts/X.py ...`: the script exists and its argparse parser accepts the arguments;
 * `python -m pytest PATHS`: the paths exist; `bash scripts/X.sh STAGE`: the script and stage exist;
 * `pip install ...`: every extra named exists in pyproject.toml; `hf` / `huggingface-cli` /
-  `curl`: network commands, not run.
+  `curl`: network commands, not run; `lm_eval`: lm-evaluation-harness against a running
+  server, not run.
 
 Python blocks compile; the ones that need neither a GPU, a server nor a download run. A
 command of a kind this file does not know fails the test: teach it here or fix the doc.
@@ -37,10 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SHELL_LANGS = {"bash", "sh", "shell"}
-STARTS = ("mambaserve", "python", "python3", "bash", "pip", "hf", "huggingface-cli", "curl")
+STARTS = ("mambaserve", "python", "python3", "bash", "pip", "hf", "huggingface-cli", "curl",
+          "lm_eval")
 INLINE = re.compile(r"`((?:mambaserve |python3? scripts/|python3? -m pytest|bash scripts/)"
                     r"[^`]*)`")
-NETWORK = {"hf", "huggingface-cli", "curl"}
+NETWORK = {"hf", "huggingface-cli", "curl", "lm_eval"}
 PLACEHOLDER = re.compile(r"[A-Z][A-Z_]*")
 
 

@@ -51,9 +51,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens`: the BOS token when the checkpoint's
+        tokenizer_config.json asks for it (add_bos_token)."""
         ids = self._encode_batch([text], add_special_tokens=False)[0].ids
-        if self.add_bos and self.bos_token_id is not None:
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
 
@@ -63,14 +65,21 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered in the sandbox. Raises ChatTemplateError (a ValueError)
-        when there is no template, when the template refuses the messages, or when it fails."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None,
+                            continue_final_message: bool = False, **kwargs) -> str:
+        """The chat template rendered in the sandbox, as transformers renders it: `tools` (the
+        OpenAI tool definitions) and `kwargs` (chat_template_kwargs such as enable_thinking)
+        are template variables. `continue_final_message`: the last message (an assistant's)
+        is left open for the model to continue: the text is cut right after its content.
+        Raises ChatTemplateError (a ValueError) when there is no template, when the template
+        refuses the messages, or when it fails."""
         if not self.chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template")
         template = self._template(self.chat_template)
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = template.render(**kwargs, messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except ChatTemplateError:
             raise
@@ -80,6 +89,17 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 - anything a broken template raises
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") \
                 from None
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip():
+                raise ChatTemplateError("continue_final_message needs a last message with text "
+                                        "content to continue")
+            cut = text.rfind(final.strip())
+            if cut < 0:
+                raise ChatTemplateError("continue_final_message: the chat template does not "
+                                        "render the last message's content verbatim")
+            text = text[:cut + len(final.strip())]
+        return text
 
     def _template(self, source: str) -> jinja2.Template:
         if self._compiled is None or self._compiled[0] != source:

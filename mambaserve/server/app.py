@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hmac
 import ipaddress
 import logging
@@ -29,21 +30,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mambaserve import __version__
 from mambaserve.engine.async_engine import AsyncEngine
+from mambaserve.server.chat_request import ChatConfig
+from mambaserve.server.fields import APIError, dumps, get_str, parse_json
 from mambaserve.server.metrics import CONTENT_TYPE, Metrics
-from mambaserve.server.protocol import (
-    APIError,
-    dumps,
-    get_str,
-    parse_chat,
-    parse_completion,
-    parse_json,
-)
+from mambaserve.server.protocol import parse_chat, parse_completion
+from mambaserve.server.reasoning_parsers import reasoning_parser_class
 from mambaserve.server.serving import ClientDisconnected, OpenAIServing, engine_error
+from mambaserve.server.tokenize import detokenize, tokenize
+from mambaserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("mambaserve.server")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-          "/version")
+          "/version", "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 LOOPBACK_NAMES = ("localhost", "*.localhost")
 
@@ -174,8 +173,8 @@ class _HostOriginGuard:
 
 
 class _APIGuard:
-    """API key on /v1/*, JSON-only POSTs, the declared body size (inside CORS, so a browser
-    that is allowed reads these errors too)."""
+    """API key on /v1/* (and /tokenize, /detokenize), JSON-only POSTs, the declared body size
+    (inside CORS, so a browser that is allowed reads these errors too)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -185,7 +184,8 @@ class _APIGuard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         method = scope.get("method", "")
-        if self.api_key and path.startswith("/v1/") and method != "OPTIONS":
+        guarded = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        if self.api_key and guarded and method != "OPTIONS":
             auth = _header(scope, b"authorization") or ""
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -193,7 +193,7 @@ class _APIGuard:
                 return await _send_error(scope, receive, send, APIError(
                     "a valid API key is required: send it as 'Authorization: Bearer KEY'",
                     status=401, code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
-        if method == "POST" and path.startswith("/v1/"):
+        if method == "POST" and guarded:
             ctype = (_header(scope, b"content-type") or "").split(";", 1)[0].strip().lower()
             if ctype != "application/json":
                 return await _send_error(scope, receive, send, APIError(
@@ -217,20 +217,27 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
                drain_timeout: float = 60.0, api_key: str | None = None,
                allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = 30.0,
-               parse_workers: int | None = None) -> FastAPI:
+               parse_workers: int | None = None, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """`model_name`: the id /v1/models lists and responses carry; requests may name it or one
     of `aliases` (or leave `model` out). With `shutdown_engine`, the app's shutdown drains the
     engine: requests in flight finish for up to `drain_timeout` s (0: none), the rest end with
     finish_reason "abort", new ones get 503; `app.state.drain()` starts that drain early (the
     launcher's uvicorn server calls it when shutdown begins, before it waits for connections).
     `api_key`, `allowed_origins`, `allowed_hosts`, `max_body_bytes`, `body_timeout_s`: the
-    guards of the module docstring."""
+    guards of the module docstring. `tool_call_parser` / `reasoning_parser`: the names of the
+    parsers chat outputs are read with (tool_parsers.py, reasoning_parsers.py)."""
     if drain_timeout is None or drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0 seconds, got {drain_timeout}")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if not body_timeout_s > 0:
         raise ValueError(f"body_timeout_s must be > 0 seconds, got {body_timeout_s}")
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)  # an unknown name: ValueError listing the names
+    if reasoning_parser is not None:
+        reasoning_parser_class(reasoning_parser)
+    chat_config = ChatConfig(tool_call_parser, reasoning_parser)
     if metrics is None:
         metrics = Metrics(model_name)
     if engine.observer is None:
@@ -298,7 +305,7 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
             return parse(body, engine.tokenizer, vocab, engine.max_model_len)
         except APIError:
             raise
-        except Exception as e:  # noqa: BLE001 - a request our parser did not foresee
+        except Exception as e:
             logger.warning("unforeseen %s while parsing a request (answered 400): %s",
                            type(e).__name__, e)
             logger.debug("parse error", exc_info=True)
@@ -360,7 +367,21 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(request, parse_chat, serving.chat)
+        return await handle(request, functools.partial(parse_chat, config=chat_config),
+                            serving.chat)
+
+    async def answer(result: dict, receive) -> dict:  # what the parse pool computed
+        return result
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize_route(request: Request):
+        return await handle(request, functools.partial(tokenize, config=chat_config), answer)
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize_route(request: Request):
+        return await handle(request, detokenize, answer)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created,

@@ -39,7 +39,8 @@ def build_app(model: str | Path | None = None, *, served_model_name: str | None 
               max_waiting: int | None = 1024, drain_timeout: float = 60.0,
               api_key: str | None = None, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, max_body_bytes: int | None = None,
-              timeout_body_s: float = 30.0, **engine_kwargs):
+              timeout_body_s: float = 30.0, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, **engine_kwargs):
     """Load the model and wrap it: -> (FastAPI app, AsyncEngine). `engine_kwargs` are
     `EngineConfig` fields (dtype, device, max_num_seqs, ...); the other arguments are
     `create_app`'s."""
@@ -61,7 +62,8 @@ def build_app(model: str | Path | None = None, *, served_model_name: str | None 
                          api_key=api_key, allowed_origins=allowed_origins,
                          allowed_hosts=allowed_hosts,
                          max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                         body_timeout_s=timeout_body_s)
+                         body_timeout_s=timeout_body_s, tool_call_parser=tool_call_parser,
+                         reasoning_parser=reasoning_parser)
     except Exception:
         engine.shutdown(drain=False)
         raise
@@ -183,6 +185,7 @@ def serve(model: str | Path | None, host: str = "127.0.0.1", port: int = 8000, *
           max_body_bytes: int | None = None,
           timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
           timeout_header_s: float = DEFAULT_TIMEOUT_HEADER_S, timeout_body_s: float = 30.0,
+          tool_call_parser: str | None = None, reasoning_parser: str | None = None,
           **engine_kwargs) -> int:
     """Run the server until SIGTERM / SIGINT; then stop accepting connections, let the
     requests in flight finish (up to `drain_timeout` s, 0: none), end the rest with
@@ -192,7 +195,8 @@ def serve(model: str | Path | None, host: str = "127.0.0.1", port: int = 8000, *
                             drain_timeout=drain_timeout, api_key=api_key,
                             allowed_origins=allowed_origins, allowed_hosts=allowed_hosts,
                             max_body_bytes=max_body_bytes, timeout_body_s=timeout_body_s,
-                            **engine_kwargs)
+                            tool_call_parser=tool_call_parser,
+                            reasoning_parser=reasoning_parser, **engine_kwargs)
     try:
         server = make_server(app, host, port, log_level=log_level,
                              timeout_keep_alive_s=timeout_keep_alive_s,

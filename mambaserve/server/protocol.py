@@ -7,179 +7,34 @@ temperature, a top_k beyond int32) would fail every request in flight with it.
 
 from __future__ import annotations
 
-import json
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
 from mambaserve.engine.prompt import PromptError, validate_prompt_ids
 from mambaserve.engine.sampling_params import SamplingParams
-from mambaserve.engine.tokenizer import ChatTemplateError
+from mambaserve.server.chat_output import ChatOutputSpec
+from mambaserve.server.chat_request import ChatConfig, ChatInputs, parse_chat_inputs, render
+from mambaserve.server.fields import (  # noqa: F401 - APIError, dumps, parse_json re-exported
+    APIError,
+    _describe,
+    _type_error,
+    check_unicode,
+    dumps,
+    encode_bounded,
+    get_bool,
+    get_float,
+    get_int,
+    get_obj,
+    get_str,
+    parse_json,
+)
+from mambaserve.server.tool_choice import constraint
 from mambaserve.server.structured_request import FieldError, sampling_extras
 
 MAX_N = 16  # completions per prompt
 MAX_BATCH = 256  # prompts in one /v1/completions request
 MAX_STOP = 16  # stop strings
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # 20
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the model's template decides
-# a prompt whose first characters alone tokenize to max_model_len + this many tokens is refused
-# without tokenizing the rest (the tokens of a prefix can differ from the full text's only where
-# the prefix was cut, which is at a space when there is one)
-PREFIX_MARGIN = 64
-
-
-class APIError(Exception):
-    """An error answered to the client as OpenAI's {"error": {...}} with an HTTP status."""
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = \
-            message, status, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def dumps(obj) -> str:
-    """Compact JSON, non-ASCII kept; a string that cannot be UTF-8 (a client's lone surrogate
-    quoted back in an error) makes it fall back to \\u escapes instead of failing."""
-    try:
-        s = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        s.encode("utf-8")
-        return s
-    except UnicodeEncodeError:
-        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
-
-
-def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object; 400 otherwise. NaN / Infinity are refused."""
-
-    def no_constants(name: str):
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        body = json.loads(raw, parse_constant=no_constants)
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise APIError(f"could not parse the JSON body of the request: {e}. Send a JSON object "
-                       "(Content-Type: application/json).", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}",
-                       code="invalid_json")
-    return body
-
-
-# ---- typed field access ----------------------------------------------------------------------
-_MISSING = object()
-
-
-def _type_error(name: str, want: str, v) -> APIError:
-    return APIError(f"'{name}' must be {want}, got {_describe(v)}", param=name,
-                    code="invalid_type")
-
-
-def _describe(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return f"boolean {str(v).lower()}"
-    if isinstance(v, (int, float)):
-        return f"number {v!r}"
-    if isinstance(v, str):
-        return f"string {v[:40]!r}"
-    return {"list": "an array", "dict": "an object"}.get(type(v).__name__, type(v).__name__)
-
-
-def get_int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
-    v = body.get(name, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    if isinstance(v, float) and v.is_integer() and math.isfinite(v):
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _type_error(name, "an integer", v)
-    if lo is not None and v < lo:
-        raise APIError(f"'{name}' must be >= {lo}, got {v}", param=name, code="invalid_value")
-    if hi is not None and v > hi:
-        raise APIError(f"'{name}' must be <= {hi}, got {v}", param=name, code="invalid_value")
-    return v
-
-
-def get_float(body: dict, name: str, default=None, lo: float | None = None,
-              hi: float | None = None, lo_open: bool = False):
-    v = body.get(name, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _type_error(name, "a number", v)
-    v = float(v)
-    if not math.isfinite(v):
-        raise APIError(f"'{name}' must be a finite number, got {v}", param=name,
-                       code="invalid_value")
-    if lo is not None and (v < lo or (lo_open and v == lo)):
-        op = ">" if lo_open else ">="
-        raise APIError(f"'{name}' must be {op} {lo:g}, got {v:g}", param=name,
-                       code="invalid_value")
-    if hi is not None and v > hi:
-        raise APIError(f"'{name}' must be <= {hi:g}, got {v:g}", param=name, code="invalid_value")
-    return v
-
-
-def get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _type_error(name, "a boolean", v)
-    return v
-
-
-def get_str(body: dict, name: str, default=None):
-    v = body.get(name, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    if not isinstance(v, str):
-        raise _type_error(name, "a string", v)
-    return v
-
-
-def get_obj(body: dict, name: str) -> dict:
-    v = body.get(name, _MISSING)
-    if v is _MISSING or v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise _type_error(name, "an object", v)
-    return v
-
-
-def check_unicode(s: str, param: str) -> str:
-    """`s` unless it holds a lone surrogate (JSON's "\\ud800" escapes decode to one): such a
-    string is not Unicode text, no tokenizer takes it, and it cannot be encoded as UTF-8."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(f"'{param}' is not valid Unicode: it holds a lone surrogate "
-                       f"{s[e.start]!r} at character {e.start}", param=param,
-                       code="invalid_value") from None
-    return s
-
-
-def encode_bounded(tokenizer, text: str, max_model_len: int, param: str) -> list[int]:
-    """The token ids of `text`; a text that cannot fit in `max_model_len` tokens is refused
-    from a prefix (4 x max_model_len characters, then 4x longer ones) without tokenizing all
-    of it. The final length check is `validate_prompt_ids`'s."""
-    k = 4 * max(max_model_len, 1024)
-    while k < len(text):
-        cut = text.rfind(" ", k // 2, k)
-        cut = cut if cut > 0 else k
-        n = len(tokenizer.encode(text[:cut]))
-        if n >= max_model_len + PREFIX_MARGIN:
-            raise APIError(f"prompt is longer than the model's limit (maximum context length) of "
-                           f"{max_model_len} tokens: its first {cut} of {len(text)} characters "
-                           f"alone are {n} tokens", param=param,
-                           code="context_length_exceeded")
-        k *= 4
-    return tokenizer.encode(text)
 
 
 # ---- the parsed request ----------------------------------------------------------------------
@@ -201,6 +56,9 @@ class ParsedRequest:
     echo: bool = False
     logprobs: int | None = None  # top alternatives the client asked for (None: no logprobs)
     stop: list[str] = field(default_factory=list)
+    # ---- issue 23 (api-server): echo scoring, chat output parsing ----
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt scored, no text generated
+    chat: ChatOutputSpec | None = None  # how a chat choice's text becomes its message
 
 
 def _sampling(body: dict, *, max_tokens, logprobs: int | None, vocab_size: int
@@ -259,6 +117,9 @@ def _sampling(body: dict, *, max_tokens, logprobs: int | None, vocab_size: int
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     opts = get_obj(body, "stream_options")
+    if opts and not stream:  # issue 23 (api-server): as OpenAI and vLLM answer
+        raise APIError("'stream_options' is only allowed with 'stream': true",
+                       param="stream_options", code="invalid_value")
     include = get_bool(opts, "include_usage", False)
     continuous = get_bool(opts, "continuous_usage_stats", False)
     return include and stream, continuous and stream
@@ -317,15 +178,23 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
         else:
             prompts.append(Prompt(None, list(item)))
         _check_prompt_ids(prompts[-1].token_ids, vocab_size, max_model_len, "prompt")
-    if get_str(body, "suffix") is not None:
-        raise APIError("'suffix' is not supported by this server", param="suffix",
-                       code="unsupported_parameter")
-    max_tokens = get_int(body, "max_tokens", 16, lo=1)
-    logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    # ---- issue 23 (api-server): suffix refused; echo scoring (max_tokens 0, prompt logprobs) --
+    if get_str(body, "suffix"):
+        raise APIError("'suffix' (fill-in-the-middle) is not supported by this server",
+                       param="suffix", code="unsupported_parameter")
     echo = get_bool(body, "echo", False)
+    max_tokens = get_int(body, "max_tokens", 16, lo=0)
+    if max_tokens == 0 and not echo:
+        raise APIError("'max_tokens' must be >= 1 (0 only with 'echo': true, to score the "
+                       "prompt)", param="max_tokens", code="invalid_value")
+    echo_only = max_tokens == 0  # vLLM's way: one token is generated and not returned
+    logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     stream = get_bool(body, "stream", False)
-    params, n, stop = _sampling(body, max_tokens=max_tokens, logprobs=logprobs,
+    params, n, stop = _sampling(body, max_tokens=max_tokens or 1, logprobs=logprobs,
                                 vocab_size=vocab_size)
+    if echo and logprobs is not None:  # the prompt's tokens get their logprobs too
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    # ----
     best_of = get_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
         raise APIError("'best_of' different from 'n' is not supported", param="best_of",
@@ -336,62 +205,16 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
     include, continuous = _stream_options(body, stream)
     get_str(body, "user")
     return ParsedRequest(model, prompts, params, n, stream, include, continuous, echo,
-                         logprobs, stop)
+                         logprobs, stop, echo_only=echo_only)
 
 
-def _message_content(m: dict, i: int) -> str:
-    c = m.get("content")
-    if c is None:
-        if m.get("role") in ("assistant", "tool"):
-            return ""
-        raise APIError(f"messages[{i}].content is required", param=f"messages[{i}].content",
-                       code="missing_required_parameter")
-    if isinstance(c, str):
-        return check_unicode(c, f"messages[{i}].content")
-    if isinstance(c, list):
-        parts = []
-        for j, part in enumerate(c):
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise APIError(f"messages[{i}].content[{j}]: only text parts "
-                               '({"type": "text", "text": ...}) are supported',
-                               param=f"messages[{i}].content", code="invalid_value")
-            parts.append(check_unicode(part["text"], f"messages[{i}].content"))
-        return "".join(parts)
-    raise _type_error(f"messages[{i}].content", "a string or an array of text parts", c)
-
-
-def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int) -> ParsedRequest:
+def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
+               config: ChatConfig | None = None) -> ParsedRequest:
     model = get_str(body, "model")
-    msgs = body.get("messages")
-    if msgs is None:
-        raise APIError("'messages' is required", param="messages",
-                       code="missing_required_parameter")
-    if not isinstance(msgs, list):
-        raise _type_error("messages", "an array of messages", msgs)
-    if not msgs:
-        raise APIError("'messages' must contain at least one message", param="messages",
-                       code="empty_prompt")
-    messages = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise _type_error(f"messages[{i}]", "an object", m)
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise APIError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
-                           f"{_describe(role)}", param=f"messages[{i}].role",
-                           code="invalid_value")
-        msg = {"role": role, "content": _message_content(m, i)}
-        if isinstance(m.get("name"), str):
-            msg["name"] = check_unicode(m["name"], f"messages[{i}].name")
-        messages.append(msg)
-    tools = body.get("tools")
-    if tools:
-        raise APIError("tool calling is not supported by this server", param="tools",
-                       code="unsupported_parameter")
-    if body.get("functions"):
-        raise APIError("function calling is not supported by this server", param="functions",
-                       code="unsupported_parameter")
+    # ---- issue 23 (api-server): messages, tools, template options (chat_request.py) ----
+    config = config or ChatConfig()
+    chat = parse_chat_inputs(body, config)
+    # ----
     mct = get_int(body, "max_completion_tokens", None, lo=1)
     max_tokens = mct if mct is not None else get_int(body, "max_tokens", None, lo=1)
     want_lp = get_bool(body, "logprobs", False)
@@ -403,22 +226,32 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int) -> Pa
     stream = get_bool(body, "stream", False)
     params, n, stop = _sampling(body, max_tokens=max_tokens, logprobs=logprobs,
                                 vocab_size=vocab_size)
-    if tokenizer is None:
-        raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions "
-                       "with token ids", param="messages", code="no_chat_template")
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except (ChatTemplateError, ValueError) as e:
-        raise APIError(f"cannot apply the chat template: {e}", param="messages",
-                       code="no_chat_template" if "no chat template" in str(e) else
-                       "invalid_value") from None
-    except Exception as e:  # noqa: BLE001 - a tokenizer class of another kind
-        raise APIError(f"the model's chat template failed on these messages: "
-                       f"{type(e).__name__}: {e}", param="messages",
-                       code="invalid_value") from None
+    # ---- issue 23 (api-server): tool_choice "required" / named enforced (tool_choice.py) ----
+    params = _with_tool_constraint(params, chat, config)
+    text = render(tokenizer, chat)
+    # ----
     ids = encode_bounded(tokenizer, text, max_model_len, "messages")
     _check_prompt_ids(ids, vocab_size, max_model_len, "messages")
     include, continuous = _stream_options(body, stream)
     get_str(body, "user")
     return ParsedRequest(model, [Prompt(text, ids)], params, n, stream, include, continuous,
-                         False, logprobs, stop)
+                         False, logprobs, stop, chat=chat.output_spec(config, text))
+
+
+# ---- issue 23 (api-server) -------------------------------------------------------------------
+def _with_tool_constraint(params: SamplingParams, chat: ChatInputs,
+                          config: ChatConfig) -> SamplingParams:
+    """`params` constrained to call a tool when tool_choice is "required" or names one."""
+    so = constraint(chat.tools, config.tool_call_parser)
+    if so is None:
+        return params
+    what = "tool_choice " + ('"required"' if chat.tools.choice == "required" else
+                             f"naming {chat.tools.named!r}")
+    if params.structured_output is not None:
+        raise APIError(f"{what} cannot be combined with response_format or guided decoding",
+                       param="tool_choice", code="invalid_value")
+    try:
+        return dataclasses.replace(params, structured_output=so)
+    except ValueError as e:
+        raise APIError(f"{what} needs constrained decoding: {e}", param="tool_choice",
+                       code="unsupported_parameter") from None

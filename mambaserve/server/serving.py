@@ -17,7 +17,15 @@ from mambaserve.engine.async_engine import (
     RequestStream,
 )
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
-from mambaserve.server.protocol import APIError, ParsedRequest, dumps
+from mambaserve.server.chat_output import ChatChoiceOutput
+from mambaserve.server.fields import APIError, dumps
+from mambaserve.server.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    concat_logprobs,
+)
+from mambaserve.server.protocol import ParsedRequest
 
 logger = logging.getLogger("mambaserve.server")
 
@@ -69,61 +77,6 @@ class ChoiceTracker:
         self.sent += delta
         start, self.num_tokens = self.num_tokens, len(comp.token_ids)
         return delta, start, self.num_tokens
-
-
-# ---- logprobs --------------------------------------------------------------------------------
-class TokenText:
-    def __init__(self, tokenizer) -> None:
-        self.tok = tokenizer
-
-    def __call__(self, token_id: int) -> str:
-        if self.tok is None:
-            return f"token_id:{token_id}"
-        return self.tok.token_text(token_id)
-
-
-def _top(d: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(d.items(), key=lambda kv: -kv[1])[:k]
-
-
-def completion_logprobs(tt: TokenText, comp: CompletionOutput, start: int, end: int, k: int,
-                        offset: int) -> tuple[dict, int]:
-    """OpenAI's completions logprobs object for tokens [start, end); -> (object, next offset)."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    lps = comp.logprobs or []
-    for i in range(start, end):
-        tid = comp.token_ids[i]
-        d = lps[i] if i < len(lps) else {}
-        text = tt(tid)
-        tokens.append(text)
-        token_lps.append(d.get(tid))
-        if k:
-            top: dict[str, float] = {}
-            for t, lp in _top(d, k):
-                top.setdefault(tt(t), lp)  # tokens with the same text: keep the likeliest
-            tops.append(top)
-        else:
-            tops.append(None)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}, offset
-
-
-def _lp_entry(text: str, lp: float) -> dict:
-    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-
-
-def chat_logprobs(tt: TokenText, comp: CompletionOutput, start: int, end: int, k: int) -> list:
-    out = []
-    lps = comp.logprobs or []
-    for i in range(start, end):
-        tid = comp.token_ids[i]
-        d = lps[i] if i < len(lps) else {}
-        e = _lp_entry(tt(tid), d.get(tid, float("-inf")))
-        e["top_logprobs"] = [_lp_entry(tt(t), lp) for t, lp in _top(d, k)]
-        out.append(e)
-    return out
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -237,6 +190,16 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         return tok.decode(prompt.token_ids, skip_special_tokens=False) if tok else ""
 
+    def _prompt_logprobs(self, parsed: ParsedRequest, out: RequestOutput) -> tuple[dict, int]:
+        """The echoed prompt's logprobs object (first token null) -> (object, text offset)."""
+        ids = out.prompt_token_ids
+        return completion_logprobs(self.tt, ids, out.prompt_logprobs, 0, len(ids),
+                                   parsed.logprobs, 0)
+
+    def _body(self, rid: str, created: int, obj: str, choices: list, usage: dict) -> dict:
+        return {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                "choices": choices, "system_fingerprint": None, "usage": usage}
+
     # ---- /v1/completions ---------------------------------------------------------------------
     def completion_body(self, rid: str, created: int, parsed: ParsedRequest,
                         outs: list[RequestOutput]) -> dict:
@@ -245,17 +208,23 @@ class OpenAIServing:
             n_prompt += len(out.prompt_token_ids)
             echo = self._echo_text(parsed, p) if parsed.echo else ""
             for c in out.outputs:
-                n_gen += len(c.token_ids)
+                end = 0 if parsed.echo_only else len(c.token_ids)
+                n_gen += end
                 lp = None
                 if parsed.logprobs is not None:
-                    lp, _ = completion_logprobs(self.tt, c, 0, len(c.token_ids), parsed.logprobs,
-                                                len(echo))
-                choices.append({"index": p * parsed.n + c.index, "text": echo + c.text,
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                    offset, head = len(echo), None
+                    if parsed.echo:
+                        head, offset = self._prompt_logprobs(parsed, out)
+                    lp, _ = completion_logprobs(self.tt, c.token_ids, c.logprobs, 0, end,
+                                                parsed.logprobs, offset)
+                    lp = concat_logprobs(head, lp) if head is not None else lp
+                text = echo if parsed.echo_only else echo + c.text
+                finish = "length" if parsed.echo_only and c.finish_reason != "abort" \
+                    else c.finish_reason
+                choices.append({"index": p * parsed.n + c.index, "text": text,
+                                "logprobs": lp, "finish_reason": finish})
         choices.sort(key=lambda ch: ch["index"])
-        return {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "system_fingerprint": None,
-                "usage": _usage(n_prompt, n_gen)}
+        return self._body(rid, created, "text_completion", choices, _usage(n_prompt, n_gen))
 
     async def completions(self, parsed: ParsedRequest, receive) -> dict | AsyncIterator[str]:
         rid, streams = await self.submit(parsed, "cmpl")
@@ -276,15 +245,14 @@ class OpenAIServing:
             n_gen += len(c.token_ids)
             lp = None
             if parsed.logprobs is not None:
-                lp = {"content": chat_logprobs(self.tt, c, 0, len(c.token_ids), parsed.logprobs),
+                lp = {"content": chat_logprobs(self.tt, c.token_ids, c.logprobs, 0,
+                                               len(c.token_ids), parsed.logprobs),
                       "refusal": None}
-            choices.append({"index": c.index,
-                            "message": {"role": "assistant", "content": c.text, "refusal": None,
-                                        "tool_calls": []},
-                            "logprobs": lp, "finish_reason": c.finish_reason})
-        return {"id": rid, "object": "chat.completion", "created": created,
-                "model": self.model_name, "choices": choices, "system_fingerprint": None,
-                "usage": _usage(len(out.prompt_token_ids), n_gen)}
+            message, called = ChatChoiceOutput(parsed.chat).message(c.text)
+            choices.append({"index": c.index, "message": message, "logprobs": lp,
+                            "finish_reason": _chat_finish(c.finish_reason, called)})
+        return self._body(rid, created, "chat.completion", choices,
+                          _usage(len(out.prompt_token_ids), n_gen))
 
     async def chat(self, parsed: ParsedRequest, receive) -> dict | AsyncIterator[str]:
         rid, streams = await self.submit(parsed, "chatcmpl")
@@ -304,10 +272,14 @@ class OpenAIServing:
         n = parsed.n
         holdback = max((len(s) for s in parsed.stop), default=1) - 1
         trackers: dict[int, ChoiceTracker] = {}
+        outputs: dict[int, ChatChoiceOutput] = {}
         offsets: dict[int, int] = {}
         prompt_tokens: dict[int, int] = {}
         gen_tokens: dict[int, int] = {}
         usage_field = parsed.include_usage or parsed.continuous_usage
+        # echo with logprobs: the prompt goes out once its logprobs are known (after prefill)
+        late_echo = not chat and parsed.echo and parsed.logprobs is not None
+        pending_echo: set[int] = set()
 
         def chunk(choices: list[dict]) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -328,8 +300,11 @@ class OpenAIServing:
                     trackers[idx] = ChoiceTracker(holdback)
                     gen_tokens[idx] = 0
                     if chat:
+                        outputs[idx] = ChatChoiceOutput(parsed.chat)
                         yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}])
+                    elif late_echo:
+                        pending_echo.add(idx)
                     elif parsed.echo:
                         text = self._echo_text(parsed, p)
                         offsets[idx] = len(text)
@@ -341,28 +316,36 @@ class OpenAIServing:
                     tr = trackers[idx]
                     if tr.done or (len(c.token_ids) == tr.num_tokens and c.finish_reason is None):
                         continue
+                    if idx in pending_echo:
+                        pending_echo.discard(idx)
+                        lp, offsets[idx] = self._prompt_logprobs(parsed, out)
+                        yield chunk([{"index": idx, "text": self._echo_text(parsed, p),
+                                      "logprobs": lp, "finish_reason": None}])
                     delta, start, end = tr.advance(c)
+                    if parsed.echo_only:  # the one generated token is not returned
+                        delta, end = "", 0
+                        if c.finish_reason is None:
+                            continue
                     gen_tokens[idx] = end
-                    lp = None
                     if chat:
-                        if parsed.logprobs is not None:
-                            lp = {"content": chat_logprobs(self.tt, c, start, end,
-                                                           parsed.logprobs), "refusal": None}
-                        d = {"content": delta} if delta or c.finish_reason is None else {}
-                        choice = {"index": idx, "delta": d, "logprobs": lp,
-                                  "finish_reason": c.finish_reason}
+                        choice = self._chat_choice(parsed, outputs[idx], tr, c, start, end)
+                        if choice is None:
+                            continue
                     else:
+                        lp = None
                         if parsed.logprobs is not None:
                             lp, offsets[idx] = completion_logprobs(
-                                self.tt, c, start, end, parsed.logprobs, offsets.get(idx, 0))
+                                self.tt, c.token_ids, c.logprobs, start, end, parsed.logprobs,
+                                offsets.get(idx, 0))
+                        finish = c.finish_reason
+                        if parsed.echo_only and finish is not None and finish != "abort":
+                            finish = "length"
                         choice = {"index": idx, "text": delta, "logprobs": lp,
-                                  "finish_reason": c.finish_reason}
+                                  "finish_reason": finish}
                     yield chunk([choice])
             if parsed.include_usage:
-                body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                        "system_fingerprint": None, "choices": [],
-                        "usage": _usage(sum(prompt_tokens.values()), sum(gen_tokens.values()))}
-                yield sse(body)
+                yield sse(self._body(rid, created, obj, [], _usage(
+                    sum(prompt_tokens.values()), sum(gen_tokens.values()))))
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
             raise
@@ -373,3 +356,22 @@ class OpenAIServing:
         finally:
             for s in streams:
                 s.abort()
+
+    def _chat_choice(self, parsed: ParsedRequest, output: ChatChoiceOutput, tr: ChoiceTracker,
+                     c: CompletionOutput, start: int, end: int) -> dict | None:
+        """A chat chunk's choice for the text sent so far; None when it carries nothing."""
+        lp = None
+        if parsed.logprobs is not None:
+            lp = {"content": chat_logprobs(self.tt, c.token_ids, c.logprobs, start, end,
+                                           parsed.logprobs), "refusal": None}
+        d = output.delta(tr.sent, c.finish_reason is not None)
+        if not d and c.finish_reason is None and not (lp and lp["content"]):
+            return None
+        return {"index": c.index, "delta": d, "logprobs": lp,
+                "finish_reason": _chat_finish(c.finish_reason, output.called_tools)
+                if c.finish_reason is not None else None}
+
+
+def _chat_finish(reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's finish_reason "tool_calls" when the choice stopped after calling tools."""
+    return "tool_calls" if called_tools and reason == "stop" else reason

@@ -80,7 +80,7 @@ CASES = [
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature"),
     (CHAT, {"messages": MSG, "n": 100}, 400, "n"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     (CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, 400,
      "response_format"),
 ]

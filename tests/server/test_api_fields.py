@@ -1,0 +1,120 @@
+"""The request fields OpenAI and vLLM clients send (issue 23, item 4): each accepted with its
+effect, or refused with a 400 naming it; /tokenize and /detokenize in vLLM's shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hello"}]
+
+
+def _post(server, path, body, status=200):
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CMPL, {"prompt": "x", "suffix": "tail"}, "suffix"),
+    (CMPL, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    (CHAT, {"messages": MSG, "modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"messages": MSG, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+    (CHAT, {"messages": MSG, "web_search_options": {}}, "web_search_options"),
+    (CHAT, {"messages": MSG, "metadata": "x"}, "metadata"),
+    (CHAT, {"messages": MSG, "store": "yes"}, "store"),
+    (CHAT, {"messages": MSG, "user": 5}, "user"),
+    (CHAT, {"messages": MSG, "continue_final_message": True}, "continue_final_message"),
+])
+def test_refused_fields_name_themselves(server, path, body, param):
+    assert _post(server, path, body, 400)["error"]["param"] == param
+
+
+def test_accepted_fields(server):
+    body = {"messages": MSG, "max_tokens": 2, "user": "u-1", "metadata": {"k": "v"},
+            "store": False, "service_tier": "auto", "modalities": ["text"],
+            "parallel_tool_calls": False, "prompt_cache_key": "k", "safety_identifier": "s",
+            "reasoning_effort": "low"}
+    assert _post(server, CHAT, body)["choices"][0]["finish_reason"] == "length"
+    assert _post(server, CMPL, {"prompt": "x", "max_tokens": 1, "suffix": "", "user": "u"})
+
+
+def test_max_completion_tokens_wins(server):
+    """As OpenAI (max_tokens is its deprecated name) and vLLM: max_completion_tokens first."""
+    body = {"messages": MSG, "max_completion_tokens": 3, "max_tokens": 7, "ignore_eos": True}
+    assert _post(server, CHAT, body)["usage"]["completion_tokens"] == 3
+    body = {"messages": MSG, "max_tokens": 5, "ignore_eos": True}
+    assert _post(server, CHAT, body)["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_include_usage(server, path):
+    client = server.client()
+    kw = {"model": server.model, "max_tokens": 4, "extra_body": {"ignore_eos": True},
+          "stream": True, "stream_options": {"include_usage": True}}
+    stream = client.chat.completions.create(messages=MSG, **kw) if path == CHAT else \
+        client.completions.create(prompt="Hello", **kw)
+    chunks = list(stream)
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 4
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 4
+
+
+def test_chat_echo_prepends_the_last_assistant_message(server):
+    """vLLM's chat `echo`: the last message's content comes back first when it is the role
+    being generated (the assistant's)."""
+    client = server.client()
+    messages = MSG + [{"role": "assistant", "content": "Well,"}]
+    kw = {"model": server.model, "messages": messages, "max_tokens": 4, "temperature": 0}
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    echoed = client.chat.completions.create(extra_body={"echo": True}, **kw)
+    assert echoed.choices[0].message.content == "Well," + plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        stream=True, extra_body={"echo": True}, **kw) if c.choices)
+    assert streamed == "Well," + plain
+    other = client.chat.completions.create(extra_body={"echo": True}, **{**kw, "messages": MSG})
+    assert other.choices[0].message.content == plain  # last message is the user's: nothing
+
+
+def test_continue_final_message(server):
+    messages = MSG + [{"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "add_generation_prompt": False,
+            "continue_final_message": True, "return_token_strs": True}
+    prompt = "".join(_post(server, "/tokenize", body)["token_strs"])
+    assert prompt.endswith("assistant: The answer is")  # left open, not closed by the template
+    assert _post(server, CHAT, {**body, "max_tokens": 2})["choices"][0]["message"]["content"]
+
+
+def test_tokenize_and_detokenize(server):
+    tok = server.engine.tokenizer
+    for path in ("/tokenize", "/v1/tokenize"):
+        r = _post(server, path, {"prompt": "Hello, world", "return_token_strs": True})
+        assert r["tokens"] == tok.encode("Hello, world") and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] == server.engine.max_model_len
+        assert "".join(r["token_strs"]) == "Hello, world"
+        assert _post(server, path.replace("tokenize", "detokenize"),
+                     {"tokens": r["tokens"]}) == {"prompt": "Hello, world"}
+    r = _post(server, "/tokenize", {"prompt": "x"})
+    assert r["token_strs"] is None
+    chat = _post(server, "/tokenize", {"messages": MSG})
+    text = tok.apply_chat_template(MSG, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    # the chat form gives the prompt the chat endpoint runs
+    usage = _post(server, CHAT, {"messages": MSG, "max_tokens": 1})["usage"]
+    assert usage["prompt_tokens"] == chat["count"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_tokenize_errors(server, path, body, param):
+    assert _post(server, path, body, 400)["error"]["param"] == param
