@@ -4,9 +4,10 @@ checkpoint (forced_checkpoint.py): the engine really generates `<TOOLCALL>[...]<
 it into tool_calls. What this covers: the request side (tools and tool messages through the
 chat template), the parsers on real generations at token boundaries, the response and delta
 shapes, finish_reason. What it does not: whether a real Nemotron / Granite checkpoint emits
-these formats (the parsers' unit tests use the formats as the families' templates write them)
-and the enforcement of tool_choice "required" (test_tool_choice.py tests the constraint it
-builds; enforcing it is constrained decoding's job)."""
+these formats (the parsers' unit tests use the formats as the families' templates write them).
+tool_choice "required" / a named function is enforced by constrained decoding: on a prompt the
+model answers in plain text, the constrained output is still a valid call (test_tool_choice.py
+tests the grammar itself)."""
 
 from __future__ import annotations
 
@@ -139,6 +140,32 @@ def test_tool_choice_none_reads_no_calls(nemotron):
         temperature=0)
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
     assert r.choices[0].message.content == EXPECTED["1"]
+
+
+UNIT = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["unit"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "set_unit"}}])
+def test_forced_tool_choice_turns_plain_text_into_a_call(nemotron, choice, stream):
+    kw = {"messages": _ask("4"), "tools": [WEATHER, UNIT], "tool_choice": choice,
+          "temperature": 0, "max_tokens": 200}  # "4": the model answers in plain text
+    final = _streamed(nemotron, **kw)[0] if stream else \
+        nemotron.client().chat.completions.create(model=nemotron.model, **kw)
+    ch = final.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    assert ch.message.tool_calls
+    for call in ch.message.tool_calls:
+        args = json.loads(call.function.arguments)
+        if call.function.name == "set_unit":
+            assert set(args) == {"unit"} and args["unit"] in ("celsius", "fahrenheit")
+        else:
+            assert call.function.name == "get_weather" and isinstance(args["city"], str)
+    if choice != "required":
+        assert {c.function.name for c in ch.message.tool_calls} == {"set_unit"}
 
 
 def test_tool_messages_go_through_the_template(nemotron):
