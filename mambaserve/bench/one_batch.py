@@ -106,7 +106,7 @@ def parse_settings(text: str | None) -> dict:
 def _typed(key: str, value: str, default):
     if value.lower() in ("none", "null"):
         return None
-    if isinstance(default, bool) or key == "enforce_eager":  # bool | None
+    if isinstance(default, bool) or key in ("enforce_eager", "async_scheduling"):  # bool | None
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError(f"{key} takes true/false, got {value!r}")
         return value.lower() in ("true", "1", "yes")

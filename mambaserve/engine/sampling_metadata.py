@@ -48,7 +48,7 @@ class SamplingPlan:
             temperature=[float(r.params.temperature) for r in reqs],
             top_k=[r.params.top_k for r in reqs], top_p=[r.params.top_p for r in reqs],
             min_p=[r.params.min_p for r in reqs], seed=[r.seed for r in reqs],
-            step=[len(r.output_token_ids) for r in reqs])
+            step=[rows[i].output_index for i in sample_rows])  # noise index of the token
         arrays = {"sample_logit_idx": np.array(sample_idx, dtype=np.int64),
                   "prompt_logit_idx": np.array(prompt_idx, dtype=np.int64),
                   "prompt_targets": np.array(targets, dtype=np.int64), **params}
