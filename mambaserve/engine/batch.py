@@ -38,6 +38,7 @@ class Row:
     output_index: int = field(init=False)  # index of that token among the request's outputs
     # the row's (last) token was sampled by a step whose result is not read back yet
     input_on_device: bool = field(init=False)
+    applied: bool = field(init=False, default=False)  # Scheduler.update has taken its result
 
     def __post_init__(self) -> None:
         req = self.request

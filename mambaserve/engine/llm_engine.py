@@ -64,6 +64,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
             else self.device.type == "cuda"
         self._inflight: StepHandle | None = None  # the step launched and not collected yet
+        self._scheduled: list[Batch] = []  # scheduled steps whose results are not applied yet
         self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
         eager = config.enforce_eager if config.enforce_eager is not None \
             else self.device.type != "cuda"
@@ -252,6 +253,20 @@ class LLMEngine:
         one (no overlap); returns the outputs the collected step changed. A step that cannot
         run ahead (a request needs its last token on the host, or a request with a row in
         flight must be preempted) first collects the step in flight."""
+        try:
+            done = self._step()
+        except BaseException:
+            # nothing of a step that raised is in flight any more: forget its rows
+            for batch in self._scheduled:
+                self.scheduler.abandon(batch)
+            self._scheduled, self._inflight = [], None
+            raise
+        touched: dict[str, None] = {}
+        for changed in done:
+            touched.update(dict.fromkeys(r.parent_id for r in changed))
+        return [self.output_of(pid) for pid in touched if pid in self._parents]
+
+    def _step(self) -> list[list[Request]]:
         done: list[list[Request]] = []
         if self._inflight is not None and self.scheduler.needs_host_tokens():
             done.append(self._collect())
@@ -262,6 +277,7 @@ class LLMEngine:
             assert batch != DRAIN, "nothing is in flight after a drain"
         handle = None
         if batch is not None:
+            self._scheduled.append(batch)
             handle = self.runner.launch(batch)
             self._record_stats(batch)
         else:
@@ -271,16 +287,14 @@ class LLMEngine:
         self._inflight = handle
         if handle is not None and not self.async_scheduling:
             done.append(self._collect())
-        touched: dict[str, None] = {}
-        for changed in done:
-            touched.update(dict.fromkeys(r.parent_id for r in changed))
-        return [self.output_of(pid) for pid in touched if pid in self._parents]
+        return done
 
     def _collect(self) -> list[Request]:
         """Wait for the step in flight and apply its results; returns the requests it changed."""
         handle, self._inflight = self._inflight, None
         results = self.runner.collect(handle)
         changed = self.scheduler.update(handle.batch, results)
+        self._scheduled = [b for b in self._scheduled if b is not handle.batch]
         self.stats["preemptions"] = self.scheduler.num_preemptions
         self.stats["device_busy_seconds"] = self.runner.busy_seconds
         return changed

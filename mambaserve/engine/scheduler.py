@@ -206,14 +206,11 @@ class Scheduler:
         changed = []
         for row, res in zip(batch.rows, results):
             req = row.request
-            req.inflight_steps -= 1
-            req.inflight_tokens -= row.samples
+            self._settle(row)
             if self.policy is not None:
                 self.policy.after_forward(req, row)
             if req.finished:
-                if not req.inflight_steps and req in self.releasing:
-                    self.releasing.remove(req)
-                    self._release(req)
+                self._release_if_idle(req)
                 continue
             changed.append(req)
             if res.prompt_logprobs:
@@ -228,6 +225,26 @@ class Scheduler:
             if stop is not None:
                 self.finish(req, *stop)
         return changed
+
+    def abandon(self, batch: Batch) -> None:
+        """A scheduled step failed (it raised before its results were applied): its rows no
+        longer count as in flight, so finished or aborted requests can be released. The
+        requests still running are left for the caller to abort (the server fails them)."""
+        for row in batch.rows:
+            if not row.applied:
+                self._settle(row)
+                self._release_if_idle(row.request)
+
+    @staticmethod
+    def _settle(row: Row) -> None:
+        row.applied = True
+        row.request.inflight_steps -= 1
+        row.request.inflight_tokens -= row.samples
+
+    def _release_if_idle(self, req: Request) -> None:
+        if req.finished and not req.inflight_steps and req in self.releasing:
+            self.releasing.remove(req)
+            self._release(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished and give back everything the request held (after its rows in flight)."""

@@ -188,3 +188,35 @@ def test_async_scheduling_default_and_flag(tiny_ckpt):
     assert EngineConfig.from_cli(parser.parse_args(["--async-scheduling"])).async_scheduling
     cfg = EngineConfig.from_cli(parser.parse_args(["--no-async-scheduling"]))
     assert cfg.async_scheduling is False
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_step_that_raises_leaves_nothing_in_flight(tiny_ckpt, overlap):
+    """After a failing forward (the server then aborts what was running), the pools are idle
+    and the engine serves the next request as before."""
+    llm = LLM(tiny_ckpt, async_scheduling=overlap, chunked_prefill_size=16)
+    eng = llm.engine
+    prompts, params = workload()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    for _ in range(4):
+        eng.step()
+    real = eng.model.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    eng.model.forward = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    eng.model.forward = real
+    for rid in eng.unfinished_request_ids():
+        eng.abort_request(rid)
+    eng.check_integrity()
+    assert not eng.has_unfinished_requests()
+    assert (eng.state_pool.num_free, eng.kv_pool.num_free) == \
+        (eng.state_pool.num_slots, eng.kv_pool.num_pages)
+    p = {"prompt_token_ids": toks(12, 3)}
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    assert llm.generate(p, sp)[0].outputs[0].token_ids == \
+        LLM(tiny_ckpt).generate(p, sp)[0].outputs[0].token_ids
