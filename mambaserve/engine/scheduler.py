@@ -186,9 +186,9 @@ class Scheduler:
         n = min(req.prefill_len - hit_len, budget)
         shared = self.policy.pages_shared(hit_len) if self.policy else 0
         need = self.kv_pool.pages_for(hit_len + n) - shared
-        if self.state_pool.num_free == 0 or self.kv_pool.num_free < need:
-            if self.policy is None or not self.policy.make_room(path, 1, need):
-                return None
+        short = self.state_pool.num_free == 0 or self.kv_pool.num_free < need
+        if short and (self.policy is None or not self.policy.make_room(path, 1, need)):
+            return None
         req.state_slot = self.state_pool.allocate()
         pages = self.kv_pool.allocate(need)
         req.status = Status.RUNNING

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mambaserve import LLM, SamplingParams
+from mambaserve.engine.batch import Batch, Row
 from mambaserve.engine.cuda_graph import (
     ROW_FIELDS,
     StaticLayout,
@@ -13,7 +14,6 @@ from mambaserve.engine.cuda_graph import (
     graph_metadata,
     pack_decode_batch,
 )
-from mambaserve.engine.batch import Batch, Row
 
 PS, SCRATCH = 4, 99
 
@@ -201,8 +201,8 @@ def test_static_buffer_path_under_overlap_matches_sync_on_cpu(tiny_ckpt, prefix)
     """Overlap scheduling through the graph runner's static buffers (uncaptured on a CPU): the
     decode rows' input tokens come from the device token buffer, scattered into the static
     input_ids, and the tokens equal the synchronous eager run."""
-    kw = dict(device="cpu", max_model_len=96, max_num_seqs=4, chunked_prefill_size=24,
-              enable_prefix_caching=prefix)
+    kw = {"device": "cpu", "max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24,
+          "enable_prefix_caching": prefix}
     lag = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, async_scheduling=True, **kw)
     seen = _count_device_fed_graph_rows(lag)
     prompts, params = _overlap_workload()

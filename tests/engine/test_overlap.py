@@ -92,7 +92,7 @@ def workload():
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-cache", "prefix-cache"])
 def test_overlap_equals_synchronous_order(tiny_ckpt, prefix):
     prompts, params = workload()
-    kw = dict(chunked_prefill_size=24, max_num_seqs=6, enable_prefix_caching=prefix)
+    kw = {"chunked_prefill_size": 24, "max_num_seqs": 6, "enable_prefix_caching": prefix}
     sync, dev_sync, _ = run(LLM(tiny_ckpt, async_scheduling=False, **kw), prompts, params)
     lag_llm = LLM(tiny_ckpt, async_scheduling=True, **kw)
     assert lag_llm.engine.async_scheduling
@@ -135,7 +135,7 @@ def test_aborts_under_the_lag(tiny_ckpt, prefix):
     """Aborted requests free everything once their row in flight ran; the others are
     unaffected; what an aborted request showed is a prefix of its full output."""
     prompts, params = workload()
-    kw = dict(chunked_prefill_size=24, max_num_seqs=6, enable_prefix_caching=prefix)
+    kw = {"chunked_prefill_size": 24, "max_num_seqs": 6, "enable_prefix_caching": prefix}
     full, _, _ = run(LLM(tiny_ckpt, async_scheduling=False, **kw), prompts, params)
     aborts = {"r0": 3, "r2": 5, "r6": 9, "r7": 1}
     for mode in (False, True):
