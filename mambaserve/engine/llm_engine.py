@@ -272,6 +272,8 @@ class LLMEngine:
             done.append(self._collect())
         batch = self.scheduler.schedule()
         if batch == DRAIN:
+            if self._inflight is None:
+                raise RuntimeError("the scheduler waits for a step in flight, but none is")
             done.append(self._collect())
             batch = self.scheduler.schedule()
             assert batch != DRAIN, "nothing is in flight after a drain"

@@ -141,7 +141,8 @@ class Scheduler:
     def _grow(self, req: Request, num_tokens: int) -> bool | str | None:
         """Give `req` the KV pages of positions [0, num_tokens). True: done; False: `req` itself
         was preempted; None: done after preempting newer requests; DRAIN: the request to
-        preempt has a row in flight."""
+        preempt has a row in flight, or finished requests still hold pages until the step in
+        flight is collected."""
         preempted = False
         while True:
             need = self.kv_pool.pages_for(num_tokens) - len(req.pages)
@@ -153,7 +154,7 @@ class Scheduler:
                 req.pages += self.kv_pool.allocate(need)
                 continue
             victim = self.running[-1]
-            if victim.inflight_steps:
+            if victim.inflight_steps or self.releasing:  # collecting may free what is needed
                 return DRAIN
             if victim is req and len(self.running) == 1:
                 # cannot happen: add() refuses a request longer than the whole pool

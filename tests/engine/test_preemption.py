@@ -8,6 +8,9 @@ import torch
 from mambaserve import LLM, SamplingParams
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.state_pool import StatePool
+from mambaserve.config import ModelConfig
+
+REF = {"memory_budget_bytes": 32 << 20}  # the unconstrained reference: pools sized by limits
 
 
 def toks(n, seed):
@@ -16,9 +19,9 @@ def toks(n, seed):
 
 def tiny_pools(tiny_ckpt, slots: int, pages: int, **kw) -> LLM:
     """An engine whose pools hold exactly `slots` state slots and `pages` KV pages."""
-    probe = LLM(tiny_ckpt, max_num_seqs=1).engine
-    slot_b = StatePool.bytes_per_slot(probe.model_config, probe.dtype, probe.ssm_dtype)
-    page_b = KVPool.bytes_per_page(probe.model_config, 16, probe.dtype)
+    cfg = ModelConfig.from_hf(tiny_ckpt)
+    slot_b = StatePool.bytes_per_slot(cfg, torch.float32, torch.float32)
+    page_b = KVPool.bytes_per_page(cfg, 16, torch.float32)
     assert pages * page_b >= slots * slot_b  # the pool sizing splits the budget in halves
     llm = LLM(tiny_ckpt, memory_budget_bytes=slots * slot_b + pages * page_b,
               max_model_len=256, **kw)
@@ -41,21 +44,28 @@ def run_checked(llm: LLM, prompts, params):
 
 def workload(n=8):
     prompts = [toks(20 + 7 * i, i) for i in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, logprobs=1)
+    params = [SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=1)
               if i % 2 else
-              SamplingParams(temperature=1.0, seed=100 + i, max_tokens=95, ignore_eos=True)
+              SamplingParams(temperature=1.0, seed=100 + i, max_tokens=75, ignore_eos=True)
               for i in range(n)]
     return prompts, params
 
 
+@pytest.fixture(scope="module")
+def unconstrained(tiny_ckpt):
+    prompts, params = workload()
+    return LLM(tiny_ckpt, max_num_seqs=8, chunked_prefill_size=32, **REF).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-cache", "prefix-cache"])
-def test_tiny_budget_preempts_and_every_output_is_unchanged(tiny_ckpt, prefix, overlap):
+def test_tiny_budget_preempts_and_every_output_is_unchanged(tiny_ckpt, unconstrained, prefix,
+                                                            overlap):
     prompts, params = workload()
-    ref = LLM(tiny_ckpt, max_num_seqs=8, chunked_prefill_size=32).generate(
-        [{"prompt_token_ids": p} for p in prompts], params)
-    slots = 6 if not prefix else 10
-    llm = tiny_pools(tiny_ckpt, slots=slots, pages=40, max_num_seqs=6, chunked_prefill_size=32,
+    ref = unconstrained
+    slots = 6 if not prefix else 8
+    llm = tiny_pools(tiny_ckpt, slots=slots, pages=32, max_num_seqs=6, chunked_prefill_size=32,
                      enable_prefix_caching=prefix, async_scheduling=overlap)
     eng = llm.engine
     got = run_checked(llm, prompts, params)
@@ -91,7 +101,7 @@ def test_pages_grow_with_the_request(tiny_ckpt):
 
 
 def test_omitted_max_tokens_runs_up_to_the_length_limit(tiny_ckpt):
-    llm = LLM(tiny_ckpt, max_model_len=64, max_num_seqs=4)
+    llm = LLM(tiny_ckpt, max_model_len=64, max_num_seqs=4, **REF)
     outs = llm.generate([{"prompt_token_ids": toks(10, i)} for i in range(4)],
                         SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 54 for o in outs)
@@ -104,7 +114,7 @@ def test_prompt_logprobs_survive_a_preemption(tiny_ckpt):
     prompts = [toks(70, 1), toks(60, 2), toks(50, 3)]
     params = [SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, prompt_logprobs=1)
               for _ in prompts]
-    ref = LLM(tiny_ckpt, max_num_seqs=4, chunked_prefill_size=16).generate(
+    ref = LLM(tiny_ckpt, max_num_seqs=4, chunked_prefill_size=16, **REF).generate(
         [{"prompt_token_ids": p} for p in prompts], params)
     llm = tiny_pools(tiny_ckpt, slots=3, pages=14, max_num_seqs=3, chunked_prefill_size=16)
     got = run_checked(llm, prompts, params)
@@ -131,3 +141,25 @@ def test_preempted_request_goes_to_the_front_and_resumes(tiny_ckpt):
     new = eng.scheduler.waiting[0]
     assert new.recompute_len == 30 + len(new.output_token_ids) and new.state_slot == -1
     assert new.pages == [] and new.num_preemptions == 1
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-cache", "prefix-cache"])
+def test_early_stops_under_pressure_with_overlap(tiny_ckpt, prefix):
+    """Requests that stop on a token id (so a row runs past the stop and holds its pages until
+    collected) in a pool that forces preemptions: the overlapped loop waits for the step in
+    flight where it must, and every output equals an unconstrained synchronous run."""
+    prompts = [toks(15 + 9 * (i % 5), 50 + i) for i in range(10)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=70,
+                             stop_token_ids=list(range(3 + 7 * i, 9 + 7 * i)) if i % 2 else None,
+                             ignore_eos=not i % 2)
+              for i in range(10)]
+    ref = LLM(tiny_ckpt, max_num_seqs=10, chunked_prefill_size=32, **REF).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)
+    llm = tiny_pools(tiny_ckpt, slots=6 if not prefix else 8, pages=32, max_num_seqs=6,
+                     chunked_prefill_size=32, enable_prefix_caching=prefix,
+                     async_scheduling=True)
+    got = run_checked(llm, prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [r.outputs[0].token_ids for r in ref]
+    assert [g.outputs[0].finish_reason for g in got] == [r.outputs[0].finish_reason for r in ref]
+    assert any(r.outputs[0].finish_reason == "stop" for r in ref)
+    assert llm.engine.stats["preemptions"] > 0
