@@ -72,7 +72,12 @@ class Row:
     @property
     def token_ids(self) -> list[int]:
         """The row's input tokens; 0 stands for a token still on the device."""
-        ids = self.request.all_token_ids[self.start: self.start + self.num_tokens]
+        req, a, b = self.request, self.start, self.start + self.num_tokens
+        p = req.prompt_len
+        if a >= p:  # decode rows: no copy of the whole context every step
+            ids = req.output_token_ids[a - p: b - p]
+        else:
+            ids = req.prompt_token_ids[a:b] + req.output_token_ids[: max(0, b - p)]
         return ids + [0] * (self.num_tokens - len(ids))
 
     @property
