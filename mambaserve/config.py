@@ -235,6 +235,12 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     # "auto": safetensors weights; "dummy": random weights at the config's shapes (benchmarks)
     load_format: str = "auto"
+    # overlap scheduling (docs/architecture.md, "The step loop"): None = on when the device is
+    # CUDA, off on a CPU; True / False force it
+    async_scheduling: bool | None = None
+    # prefill tokens of one step while decodes run (the ITL / TTFT trade-off in
+    # docs/architecture.md); steps without decodes take up to chunked_prefill_size
+    max_step_prefill_tokens: int = 512
 
     def validate(self) -> None:
         """Raise a one-line ValueError naming the first bad field ("<field> must be ...")."""
@@ -265,6 +271,8 @@ class EngineConfig:
               f"must be a positive number of tokens, got {self.mamba_snapshot_interval}")
         check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs",
               f"must be >= 1, got {self.cuda_graph_max_bs}")
+        check(self.max_step_prefill_tokens >= 1, "max_step_prefill_tokens",
+              f"must be >= 1, got {self.max_step_prefill_tokens}")
         check(self.load_format in ("auto", "dummy"), "load_format",
               f"must be auto or dummy, got {self.load_format!r}")
 
@@ -349,4 +357,12 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
         choices=["auto", "dummy"], help="auto: safetensors weights; dummy: random weights at "
                                         "the config's shapes (benchmarks; the model folder "
                                         "needs only config.json) (default: %(default)s)")),
+    "async_scheduling": ("--async-scheduling", dict(
+        action=argparse.BooleanOptionalAction,
+        help="overlap scheduling: schedule and launch step N+1 while step N runs, read step N's "
+             "tokens after; default: on on a GPU, off on a CPU (docs/architecture.md)")),
+    "max_step_prefill_tokens": ("--max-step-prefill-tokens", dict(
+        type=int, help="prefill tokens per step while decodes run: lower keeps inter-token "
+                       "latency flat, higher gives a new request its first token sooner "
+                       "(default: %(default)s)")),
 }

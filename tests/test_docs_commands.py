@@ -316,12 +316,12 @@ def test_the_sync_audit_example_names_the_real_read_back():
     """docs/sync_audit.md's example names the step's one read-back by file, line and function:
     that line must still be it (else re-run `mambaserve audit-syncs` and paste its output)."""
     text = (REPO / "docs" / "sync_audit.md").read_text()
-    sites = set(re.findall(r"\[readback\] cpu at \.\.\./(mambaserve/[\w/]+\.py):(\d+) \((\w+)\)",
-                           text))
+    sites = set(re.findall(
+        r"\[readback\] to\(cpu\) at \.\.\./(mambaserve/[\w/]+\.py):(\d+) \((\w+)\)", text))
     assert sites
     for file, line, func in sites:
         source = (REPO / file).read_text()
-        assert ".cpu()" in source.splitlines()[int(line) - 1], (file, line)
+        assert '.to("cpu", non_blocking=True)' in source.splitlines()[int(line) - 1], (file, line)
         enclosing = [n.name for n in ast.walk(ast.parse(source))
                      if isinstance(n, ast.FunctionDef) and n.lineno <= int(line) <= n.end_lineno]
         assert func in enclosing, (file, line, func, enclosing)

@@ -106,7 +106,7 @@ def parse_settings(text: str | None) -> dict:
 def _typed(key: str, value: str, default):
     if value.lower() in ("none", "null"):
         return None
-    if isinstance(default, bool) or key == "enforce_eager":  # bool | None
+    if isinstance(default, bool) or key in ("enforce_eager", "async_scheduling"):  # bool | None
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError(f"{key} takes true/false, got {value!r}")
         return value.lower() in ("true", "1", "yes")
@@ -160,7 +160,9 @@ class _MambaserveBackend:
         kw = {"dtype": c.dtype, "device": c.device, "max_num_seqs": max(c.batch_sizes),
               "chunked_prefill_size": max(b * n for b in c.batch_sizes for n in c.input_lens),
               "max_model_len": max(c.input_lens) + c.output_len + 16,
-              "load_format": load_format, "seed": c.seed, **c.engine}
+              "load_format": load_format, "seed": c.seed,
+              "async_scheduling": False,  # per-step timings of one batch: no run-ahead
+              **c.engine}
         t0 = time.perf_counter()
         self.engine = LLMEngine(path, EngineConfig(**kw))
         self.load_s = time.perf_counter() - t0

@@ -5,7 +5,11 @@ arrivals at `--request-rate` (inf: all at once) under an optional `--max-concurr
 measures request and token throughput, time to first token (TTFT), inter-token latency (ITL)
 and end-to-end latency (E2EL). Token counts come from the server's per-chunk usage
 (`stream_options.continuous_usage_stats`, which mambaserve and vLLM send); without it each
-non-empty chunk counts as one token.
+non-empty chunk counts as one token. `--dataset multiturn` runs chat sessions instead
+(bench/serve_multiturn.py). From the server's /metrics it reports the preemptions and the
+device-busy fraction of the run and the running batch size over time (bench/serve_server.py);
+`--ideal-from` prints the ideal throughput that a `bench one-batch` JSON allows beside the
+result; an `output_sha256` over the answers lets two runs' outputs be compared.
 
     mambaserve bench serve --base-url http://127.0.0.1:8000 --input-len 128 --output-len 64 \\
         --num-prompts 200 --request-rate 8 --max-concurrency 32 --out r.json --plot r.png
@@ -15,12 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+
+from mambaserve.bench.serve_multiturn import make_conversations, run_conversation
+from mambaserve.bench.serve_plot import plot
+from mambaserve.bench.serve_server import MetricsSampler, ideal_throughput
+
+DATASETS = ("random", "multiturn")
 
 
 @dataclass
@@ -38,14 +49,22 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     disable_tqdm: bool = False
+    num_turns: int = 4  # multiturn: turns per conversation
+    think_time_s: float = 1.0  # multiturn: mean pause between a conversation's turns
+    ideal_from: str | None = None  # a `bench one-batch --out` JSON
+    metrics_interval_s: float = 0.5  # how often /metrics is scraped during the run
 
     def validate(self) -> None:
-        if self.dataset != "random":
-            raise ValueError(f"unknown dataset {self.dataset!r}; only 'random' exists")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}; one of {', '.join(DATASETS)}")
+        if self.num_turns < 1 or self.think_time_s < 0 or self.metrics_interval_s <= 0:
+            raise ValueError("num-turns must be >= 1, think-time >= 0, metrics-interval > 0")
         if self.input_len < 1 or self.output_len < 1 or self.num_prompts < 1:
             raise ValueError("input-len, output-len and num-prompts must be >= 1")
-        if not 0 <= self.shared_prefix_len <= self.input_len:
+        if self.dataset == "random" and not 0 <= self.shared_prefix_len <= self.input_len:
             raise ValueError("shared-prefix-len must be in [0, input-len]")
+        if self.shared_prefix_len < 0:
+            raise ValueError("shared-prefix-len must be >= 0")
         if not self.request_rate > 0:
             raise ValueError("request-rate must be > 0 (inf: all at once)")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -63,6 +82,9 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # arrival of each token, from start
+    text: str = ""
+    conversation: int = 0  # multiturn: which conversation and turn
+    turn: int = 0
 
 
 def make_prompts(cfg: BenchConfig, vocab_size: int) -> list[list[int]]:
@@ -112,6 +134,7 @@ async def _one(client, url: str, model: str, prompt: list[int], cfg: BenchConfig
                     return res
                 usage = obj.get("usage")
                 if obj.get("choices"):
+                    res.text += obj["choices"][0].get("text") or ""
                     if usage and "completion_tokens" in usage:
                         now_tokens = usage["completion_tokens"]
                     else:
@@ -163,10 +186,17 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float,
         for t in r.token_times:
             tok_bins[min(n_bins - 1, int(t / bin_s))] += 1
         done_bins[min(n_bins - 1, int((r.start + r.latency) / bin_s))] += 1
+    itl_bins: list[list[float]] = [[] for _ in range(n_bins)]
+    for r in ok:
+        for gap, t in zip(r.itl, r.token_times[1:]):
+            itl_bins[min(n_bins - 1, int(t / bin_s))].append(gap)
+    itl_median = [_stats(b)["median"] for b in itl_bins]
+    itl_p99 = [_stats(b)["p99"] for b in itl_bins]
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
             errors[r.error] = errors.get(r.error, 0) + 1
+    digest = hashlib.sha256(json.dumps([r.text for r in results]).encode()).hexdigest()
     return {
         "config": asdict(cfg) | {"request_rate": str(cfg.request_rate), "model": model},
         "completed": len(ok), "failed": len(results) - len(ok),
@@ -181,7 +211,9 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float,
         "tpot_ms": _stats(tpot),
         "e2el_ms": _stats([r.latency for r in ok]),
         "timeline": {"bin_s": bin_s, "output_tokens_per_s": [c / bin_s for c in tok_bins],
-                     "completed_per_s": [c / bin_s for c in done_bins]},
+                     "completed_per_s": [c / bin_s for c in done_bins],
+                     "itl_median_ms": itl_median, "itl_p99_ms": itl_p99},
+        "output_sha256": digest,  # over every request's text, in request order
     }
 
 
@@ -193,6 +225,9 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
     from tqdm import tqdm
 
     cfg.validate()
+    if cfg.ideal_from:  # a bad file is reported before any request is sent
+        ideal_throughput(cfg.ideal_from, cfg.input_len, cfg.output_len,
+                         cfg.max_concurrency or cfg.num_prompts)
     base = cfg.base_url.rstrip("/")
     limit = cfg.max_concurrency or cfg.num_prompts
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
@@ -211,29 +246,69 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
             vocab = vocab or card.get("vocab_size")
         if not vocab:
             raise ValueError("the server does not report vocab_size: pass --vocab-size")
-        prompts = make_prompts(cfg, int(vocab))
-        arrivals = arrival_times(cfg)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        bar = tqdm(total=cfg.num_prompts, desc="requests", disable=cfg.disable_tqdm)
         url = f"{base}/v1/completions"
+        sampler = MetricsSampler(client, f"{base}/metrics", cfg.metrics_interval_s)
         t_bench = time.perf_counter()
+        await sampler.start(t_bench)
 
-        async def launch(i: int) -> RequestResult:
-            delay = arrivals[i] - (time.perf_counter() - t_bench)
+        def send(prompt: list[int]):
+            return _one(client, url, model, prompt, cfg, t_bench)
+
+        async def wait_until(at: float) -> None:
+            delay = at - (time.perf_counter() - t_bench)
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sem is None:
-                res = await _one(client, url, model, prompts[i], cfg, t_bench)
-            else:
-                async with sem:
-                    res = await _one(client, url, model, prompts[i], cfg, t_bench)
-            bar.update(1)
-            return res
 
-        results = await asyncio.gather(*(launch(i) for i in range(cfg.num_prompts)))
+        arrivals = arrival_times(cfg)
+        if cfg.dataset == "multiturn":
+            system, convs = make_conversations(
+                cfg.num_prompts, cfg.num_turns, cfg.shared_prefix_len, cfg.input_len,
+                cfg.output_len, int(vocab), cfg.seed)
+            bar = tqdm(total=len(convs) * cfg.num_turns, desc="requests",
+                       disable=cfg.disable_tqdm)
+
+            async def counted(prompt: list[int]) -> RequestResult:
+                res = await send(prompt)
+                bar.update(1)
+                return res
+
+            async def session(i: int) -> list[RequestResult]:
+                await wait_until(arrivals[i])
+                if sem is None:
+                    return await run_conversation(convs[i], system, cfg.think_time_s, cfg.seed,
+                                                  counted)
+                async with sem:
+                    return await run_conversation(convs[i], system, cfg.think_time_s, cfg.seed,
+                                                  counted)
+
+            sessions = await asyncio.gather(*(session(i) for i in range(len(convs))))
+            results = [r for conv in sessions for r in conv]
+        else:
+            prompts = make_prompts(cfg, int(vocab))
+            bar = tqdm(total=cfg.num_prompts, desc="requests", disable=cfg.disable_tqdm)
+
+            async def launch(i: int) -> RequestResult:
+                await wait_until(arrivals[i])
+                if sem is None:
+                    res = await send(prompts[i])
+                else:
+                    async with sem:
+                        res = await send(prompts[i])
+                bar.update(1)
+                return res
+
+            results = await asyncio.gather(*(launch(i) for i in range(cfg.num_prompts)))
         duration = time.perf_counter() - t_bench
+        await sampler.stop()
         bar.close()
-    return summarize(cfg, list(results), duration, model)
+    out = summarize(cfg, list(results), duration, model)
+    out["server"] = sampler.summary()
+    if cfg.ideal_from:
+        c = cfg.max_concurrency or cfg.num_prompts
+        out["ideal"] = ideal_throughput(cfg.ideal_from, cfg.input_len, cfg.output_len, c)
+        out["ideal"]["fraction"] = out["output_throughput"] / out["ideal"]["output_throughput"]
+    return out
 
 
 def print_summary(res: dict, file=None) -> None:
@@ -258,61 +333,44 @@ def print_summary(res: dict, file=None) -> None:
         for stat in ("mean", "median", "p99"):
             v = s[stat]
             row(f"{stat} {name} (ms)", v if v is not None else "-")
+    srv = res.get("server") or {}
+    row("server preemptions", srv.get("preemptions") if srv.get("preemptions") is not None
+        else "-")
+    hit = srv.get("prefix_cache_token_hit_rate")
+    row("prefix-cache token hit rate (%)", 100 * hit if hit is not None else "-")
+    frac = srv.get("device_busy_fraction")
+    row("device busy (% of wall time)", 100 * frac if frac is not None else "-")
+    ideal = res.get("ideal")
+    if ideal:
+        row("ideal output throughput (tok/s)", ideal["output_throughput"])
+        row("output throughput / ideal (%)", 100 * ideal["fraction"])
+        print(f"  (ideal: {ideal['concurrency']} x ({ideal['prefill_entry']} prefill at "
+              f"{ideal['prefill_tokens_per_s']:,.0f} tok/s + decode steps of "
+              f"{ideal['decode_step_s'] * 1e3:.2f} ms at batch {ideal['decode_batch_size']}), "
+              f"from {ideal['source']})", file=file)
     for err, count in res["errors"].items():
         print(f"error x{count}: {err}", file=file)
-
-
-def plot(res: dict, path: str) -> bool:
-    """Latency percentiles and throughput over time as a PNG; False (and a message) without
-    matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping the plot (pip install matplotlib)",
-              file=sys.stderr)
-        return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2el_ms", "E2E")]
-    stats = ("median", "p90", "p99")
-    width = 0.25
-    for j, stat in enumerate(stats):
-        vals = [res[k][stat] or 0.0 for k, _ in names]
-        ax1.bar([i + (j - 1) * width for i in range(len(names))], vals, width, label=stat)
-    ax1.set_xticks(range(len(names)), [n for _, n in names])
-    ax1.set_ylabel("ms")
-    ax1.set_yscale("log")
-    ax1.set_title("latency percentiles")
-    ax1.legend()
-    tl = res["timeline"]
-    xs = [(i + 0.5) * tl["bin_s"] for i in range(len(tl["output_tokens_per_s"]))]
-    ax2.plot(xs, tl["output_tokens_per_s"], label="output tok/s")
-    ax2.set_xlabel("time (s)")
-    ax2.set_ylabel("output tokens / s")
-    ax3 = ax2.twinx()
-    ax3.plot(xs, tl["completed_per_s"], color="tab:orange", alpha=0.6, label="requests/s done")
-    ax3.set_ylabel("completed requests / s")
-    c = res["config"]
-    ax2.set_title(f"throughput over time (rate {c['request_rate']}, "
-                  f"concurrency {c['max_concurrency'] or 'inf'})")
-    h1, l1 = ax2.get_legend_handles_labels()
-    h2, l2 = ax3.get_legend_handles_labels()
-    ax2.legend(h1 + h2, l1 + l2, loc="upper right")
-    fig.suptitle(f"{c['model']}: in {c['input_len']} / out {c['output_len']} tokens, "
-                 f"{res['completed']} requests, {res['output_throughput']:.1f} tok/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--dataset", default="random", choices=["random"],
-                   help="random token-id prompts")
+    p.add_argument("--dataset", default="random", choices=list(DATASETS),
+                   help="random: independent random token-id prompts; multiturn: chat sessions "
+                        "resending their history after a shared system prompt of "
+                        "--shared-prefix-len tokens (bench/serve_multiturn.py)")
+    p.add_argument("--num-turns", type=int, default=4,
+                   help="multiturn: turns per conversation (conversations: num-prompts // "
+                        "num-turns) (default: %(default)s)")
+    p.add_argument("--think-time", type=float, default=1.0,
+                   help="multiturn: mean seconds between a conversation's turns, exponentially "
+                        "distributed (default: %(default)s)")
+    p.add_argument("--ideal-from", default=None, metavar="ONE_BATCH_JSON",
+                   help="a `bench one-batch --out` JSON: print the ideal output throughput of "
+                        "this workload at --max-concurrency beside the result")
+    p.add_argument("--metrics-interval", type=float, default=0.5,
+                   help="seconds between scrapes of the server's /metrics (default: "
+                        "%(default)s)")
     p.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     p.add_argument("--num-prompts", type=int, default=100, help="requests sent")
@@ -321,13 +379,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight at most (default: no limit)")
     p.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="leading prompt tokens shared by every request")
+                   help="leading prompt tokens shared by every request (multiturn: the system "
+                        "prompt, e.g. 2048)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn from [0, vocab-size) (default: from /v1/models)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--plot", default=None, help="write a PNG of latencies and throughput here")
+    p.add_argument("--plot", default=None,
+                   help="write a PNG here: latency percentiles; throughput, running batch size "
+                        "and ITL over time")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -343,7 +404,9 @@ def run_cli(a: argparse.Namespace) -> int:
                       input_len=a.input_len, output_len=a.output_len, num_prompts=a.num_prompts,
                       request_rate=a.request_rate, max_concurrency=a.max_concurrency,
                       shared_prefix_len=a.shared_prefix_len, vocab_size=a.vocab_size,
-                      seed=a.seed, timeout_s=a.timeout, disable_tqdm=a.disable_tqdm)
+                      seed=a.seed, timeout_s=a.timeout, disable_tqdm=a.disable_tqdm,
+                      num_turns=a.num_turns, think_time_s=a.think_time,
+                      ideal_from=a.ideal_from, metrics_interval_s=a.metrics_interval)
     res = asyncio.run(run_benchmark(cfg))
     print_summary(res)
     if a.out:

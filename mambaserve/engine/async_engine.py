@@ -80,6 +80,8 @@ class EngineSnapshot:
     kv_pages_free: int = 0
     steps: int = 0
     step_errors: int = 0
+    preemptions: int = 0
+    device_busy_seconds: float = 0.0
     cache: dict = field(default_factory=dict)
     time: float = 0.0
 
@@ -404,6 +406,8 @@ class AsyncEngine:
             state_slots_total=e.state_pool.num_slots, state_slots_free=e.state_pool.num_free,
             kv_pages_total=e.kv_pool.num_pages, kv_pages_free=e.kv_pool.num_free,
             steps=e.stats.get("steps", 0), step_errors=self.step_errors, cache=cache,
+            preemptions=e.stats.get("preemptions", 0),
+            device_busy_seconds=e.stats.get("device_busy_seconds", 0.0),
             time=now)
         self._last_publish = now
 

@@ -4,6 +4,10 @@ metadata builder and the runner read it, and `Scheduler.update` applies the `Row
 
 Batch layout: prefill rows first (each a contiguous run of one request's new tokens), decode
 rows last (one token each).
+
+Under overlap scheduling a decode row may be scheduled before the token it feeds was read back
+(the previous step is still running): `input_on_device` is then True, `token_ids` holds a
+placeholder 0 for it, and the runner feeds the token from its device buffer instead.
 """
 
 from __future__ import annotations
@@ -31,14 +35,24 @@ class Row:
     # computed once when the row is made (the request changes after the forward)
     prompt_targets: list[int] = field(init=False)  # prompt-logprob target ids, row offsets 0..q-1
     samples: bool = field(init=False)  # the row's last token yields a new sampled token
+    output_index: int = field(init=False)  # index of that token among the request's outputs
+    # the row's (last) token was sampled by a step whose result is not read back yet
+    input_on_device: bool = field(init=False)
+    applied: bool = field(init=False, default=False)  # Scheduler.update has taken its result
 
     def __post_init__(self) -> None:
         req = self.request
         if self.has_initial_state is None:
             self.has_initial_state = self.start > 0
-        self.samples = self.start + self.num_tokens == len(req.all_token_ids)
+        end = self.start + self.num_tokens
+        self.samples = end == req.num_tokens
+        self.output_index = req.num_generated
+        self.input_on_device = end > len(req.output_token_ids) + req.prompt_len
+        if self.input_on_device and (self.num_tokens != 1 or end != req.num_tokens):
+            raise ValueError("only a one-token row may feed a token still on the device")
         self.prompt_targets = []
-        if req.params.prompt_logprobs is not None and not req.prefill_done:
+        # a request resumed after a preemption keeps the prompt logprobs it already has
+        if req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.prompt_len:
             q = max(0, min(self.num_tokens, req.prompt_len - 1 - self.start))
             self.prompt_targets = req.prompt_token_ids[self.start + 1: self.start + 1 + q]
 
@@ -57,7 +71,14 @@ class Row:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start: self.start + self.num_tokens]
+        """The row's input tokens; 0 stands for a token still on the device."""
+        req, a, b = self.request, self.start, self.start + self.num_tokens
+        p = req.prompt_len
+        if a >= p:  # decode rows: no copy of the whole context every step
+            ids = req.output_token_ids[a - p: b - p]
+        else:
+            ids = req.prompt_token_ids[a:b] + req.output_token_ids[: max(0, b - p)]
+        return ids + [0] * (self.num_tokens - len(ids))
 
     @property
     def context_len(self) -> int:
@@ -70,7 +91,7 @@ class Row:
 
     @property
     def pages(self) -> list[int]:
-        """KV pages covering positions [0, start + num_tokens) (and the rest of the request)."""
+        """The request's KV pages: they cover positions [0, start + num_tokens) at least."""
         return self.request.pages
 
     @property

@@ -21,6 +21,10 @@ Design (docs/cuda_graphs.md):
 - Prefix-cache snapshots of decode rows run inside the graph with fixed shapes (-1 = none).
 - Logits are copied inside the graph into one shared `[max_bs, vocab]` float32 buffer (not one
   output per graph), so the graphs' outputs cost one buffer, not one per bucket.
+- Overlap scheduling: a row whose input token is still on the device packs a placeholder
+  (`Row.token_ids`); the runner scatters the real token from its token buffer into the bucket's
+  `input_ids` view after `load` and before `replay` (engine/runner.py `_feed`), on the stream
+  that also orders this upload after the previous replay.
 
 On a CPU (tests) the same static-buffer path runs without capture (`capture=False`): packing,
 padding, slicing and the engine routing are exercised; only capture/replay needs a GPU.

@@ -1,6 +1,11 @@
 """LLMEngine: owns the model, the pools, the scheduler and the runner, and orchestrates a step:
-`scheduler.schedule()` -> `runner.execute(batch)` -> `scheduler.update(batch, results)`; returns
-the outputs that changed. The bookkeeping itself lives in the scheduler."""
+`scheduler.schedule()` -> `runner.launch(batch)` -> `runner.collect` + `scheduler.update(batch,
+results)`; returns the outputs that changed. The bookkeeping itself lives in the scheduler.
+
+With overlap scheduling (`EngineConfig.async_scheduling`), a step launches step N+1 before it
+collects step N, so the host plans and queues the next forward while the device runs the current
+one; without it, the same code collects each step right after launching it. See
+docs/architecture.md ("The step loop")."""
 
 from __future__ import annotations
 
@@ -16,13 +21,13 @@ from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.radix_cache import PrefixCache
 from mambaserve.cache.state_pool import StatePool
 from mambaserve.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from mambaserve.engine.batch import Batch
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
 from mambaserve.engine.prompt import prompt_ids, validate_prompt_ids
 from mambaserve.engine.request import Request, Status
-from mambaserve.engine.batch import Batch
-from mambaserve.engine.runner import ModelRunner
+from mambaserve.engine.runner import ModelRunner, StepHandle
 from mambaserve.engine.sampling_params import SamplingParams
-from mambaserve.engine.scheduler import Scheduler
+from mambaserve.engine.scheduler import DRAIN, Scheduler
 from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.stop_checker import StopChecker
 from mambaserve.engine.tokenizer import Tokenizer
@@ -59,7 +64,12 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.state_pool, self.kv_pool, config.max_num_seqs, config.chunked_prefill_size,
             StopChecker(self.tokenizer, set(self.model_config.eos_token_ids)),
-            SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None)
+            SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None,
+            config.max_step_prefill_tokens)
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.device.type == "cuda"
+        self._inflight: StepHandle | None = None  # the step launched and not collected yet
+        self._scheduled: list[Batch] = []  # scheduled steps whose results are not applied yet
         self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
         # structured output: compiles on first use (xgrammar imported then)
         self.grammars = GrammarCompiler(
@@ -81,7 +91,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._counter = itertools.count()
         self.stats = {"steps": 0, "prefill_rows": 0, "decode_rows": 0, "mixed_steps": 0,
-                      "chunked_prefills": 0}
+                      "chunked_prefills": 0, "preemptions": 0, "device_busy_seconds": 0.0}
         # what the last step() ran: (kind "prefill" | "mixed" | "decode", prefill tokens,
         # decode rows), None when it had nothing to run (the server's step-time metric)
         self.last_step: tuple[str, int, int] | None = None
@@ -107,6 +117,8 @@ class LLMEngine:
         finally:
             self.scheduler.policy = policy
         self.stats = dict.fromkeys(self.stats, 0)
+        self.stats["device_busy_seconds"] = 0.0
+        self.scheduler.num_preemptions, self.runner.busy_seconds = 0, 0.0
         self._rng = random.Random(self.config.seed)
         self._counter = itertools.count()
 
@@ -190,7 +202,10 @@ class LLMEngine:
         so = params.structured_output
         if so is not None:
             self.grammars.compile(so)  # a bad schema / pattern / grammar: ValueError, nothing queued
-        room = self.max_model_len - len(ids)
+        limit = self.max_model_len
+        if params.max_tokens is None:  # up to the length limit, or what the KV pool can hold
+            limit = min(limit, self.kv_pool.num_pages * self.kv_pool.page_size)
+        room = max(1, limit - len(ids))
         max_total = len(ids) + min(params.max_tokens or room, room)
         children = []
         for i in range(params.n):
@@ -229,7 +244,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -252,15 +267,57 @@ class LLMEngine:
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then collect the step before it (overlap) or this
+        one (no overlap); returns the outputs the collected step changed. A step that cannot
+        run ahead (a request needs its last token on the host, or a request with a row in
+        flight must be preempted) first collects the step in flight."""
+        try:
+            done = self._step()
+        except BaseException:
+            # nothing of a step that raised is in flight any more: forget its rows
+            for batch in self._scheduled:
+                self.scheduler.abandon(batch)
+            self._scheduled, self._inflight = [], None
+            raise
+        touched: dict[str, None] = {}
+        for changed in done:
+            touched.update(dict.fromkeys(r.parent_id for r in changed))
+        return [self.output_of(pid) for pid in touched if pid in self._parents]
+
+    def _step(self) -> list[list[Request]]:
+        done: list[list[Request]] = []
+        if self._inflight is not None and self.scheduler.needs_host_tokens():
+            done.append(self._collect())
         batch = self.scheduler.schedule()
-        if batch is None:
+        if batch == DRAIN:
+            if self._inflight is None:
+                raise RuntimeError("the scheduler waits for a step in flight, but none is")
+            done.append(self._collect())
+            batch = self.scheduler.schedule()
+            assert batch != DRAIN, "nothing is in flight after a drain"
+        handle = None
+        if batch is not None:
+            self._scheduled.append(batch)
+            handle = self.runner.launch(batch)
+            self._record_stats(batch)
+        else:
             self.last_step = None
-            return []
-        results = self.runner.execute(batch)
-        self._record_stats(batch)
-        self.scheduler.update(batch, results)
-        touched = dict.fromkeys(row.request.parent_id for row in batch.rows)
-        return [self.output_of(pid) for pid in touched]
+        if self._inflight is not None:
+            done.append(self._collect())
+        self._inflight = handle
+        if handle is not None and not self.async_scheduling:
+            done.append(self._collect())
+        return done
+
+    def _collect(self) -> list[Request]:
+        """Wait for the step in flight and apply its results; returns the requests it changed."""
+        handle, self._inflight = self._inflight, None
+        results = self.runner.collect(handle)
+        changed = self.scheduler.update(handle.batch, results)
+        self._scheduled = [b for b in self._scheduled if b is not handle.batch]
+        self.stats["preemptions"] = self.scheduler.num_preemptions
+        self.stats["device_busy_seconds"] = self.runner.busy_seconds
+        return changed
 
     def _record_stats(self, batch: Batch) -> None:
         self.last_step = (batch.kind, batch.num_prefill_tokens, len(batch.decodes))
@@ -298,13 +355,17 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         """Every page reference, state slot and tree lock accounted for (tests call this)."""
-        running = self.scheduler.running
+        running = self.scheduler.running + self.scheduler.releasing
         slots = [r.state_slot for r in running]
         slots += [r.pending_slot for r in running if r.pending_slot >= 0]
         slots += [s for r in running for s in r.tree_snapshots.values() if s >= 0]
         if self.prefix_cache is None:
             assert len(slots) + self.state_pool.num_free == self.state_pool.num_slots
+            assert len(set(slots)) == len(slots), "a state slot has two owners"
             assert all(c in (0, 1) for c in self.kv_pool.ref_count)
+            held = [p for r in running for p in r.pages]
+            assert len(set(held)) == len(held), "a KV page has two owners"
+            assert len(held) + self.kv_pool.num_free == self.kv_pool.num_pages, "leaked pages"
             return
         self.prefix_cache.check_integrity([r.pages for r in running], slots,
                                           [r.cache_path for r in running])

@@ -28,7 +28,9 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose effect is in the state slot / KV pages
+    # tokens whose effect is in the state slot / KV pages once every scheduled forward has run
+    # (advanced when a row is scheduled, so the next step can be planned before this one ran)
+    num_computed: int = 0
     num_cached_tokens: int = 0  # prefix reused from the cache
     state_slot: int = -1
     pages: list[int] = field(default_factory=list)
@@ -46,15 +48,38 @@ class Request:
     tree_snapshots: dict = field(default_factory=dict)
     pending_slot: int = -1  # private slot with the state at the last interval passed
     pending_pos: int = 0  # position of the state in pending_slot (0 = none yet)
-    pending_target: int = 0  # position being written by the forward in flight
+    # overlap scheduling (engine/scheduler.py): tokens sampled on the device whose values the
+    # host has not read back yet, and scheduled steps holding a row of this request (its slot
+    # and pages are released only when this is 0)
+    inflight_tokens: int = 0
+    inflight_steps: int = 0
+    # preemption: the prefill of a resumed request recomputes all_token_ids[:recompute_len]
+    recompute_len: int = 0
+    num_preemptions: int = 0
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens the prefill covers: the prompt, or after a preemption the prompt plus the
+        tokens generated before it."""
+        return max(self.prompt_len, self.recompute_len)
+
+    @property
     def prefill_done(self) -> bool:
-        return self.num_computed >= self.prompt_len
+        return self.num_computed >= self.prefill_len
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far, read back or still in flight."""
+        return len(self.output_token_ids) + self.inflight_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + every sampled token (in-flight ones included)."""
+        return self.prompt_len + self.num_generated
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,15 +1,25 @@
 """Runs one scheduled batch: plan (host) -> one upload -> forward -> sampler -> ONE read-back.
 
 Between the upload and the sampler nothing reads a device value; the only device-to-host copy of
-a step is the packed result (sampled ids, their logprobs, top-k alternatives, prompt logprobs) at
-the end of `execute`. Decode-only batches that fit a captured bucket replay a CUDA graph
-(engine/cuda_graph.py) instead of the eager forward; the sampling side is the same for both.
+a step is the packed result (sampled ids, their logprobs, top-k alternatives, prompt logprobs).
+Decode-only batches that fit a captured bucket replay a CUDA graph (engine/cuda_graph.py) instead
+of the eager forward; the sampling side is the same for both.
+
+A step is `launch(batch)` (everything up to queuing the read-back, which is non-blocking on CUDA
+and completes an event) then `collect(handle)` (waits for that event, unpacks the `RowResult`s);
+`execute` is both at once. Between the two the engine may launch the next step (overlap
+scheduling): its decode rows whose input token is still on the device (`Row.input_on_device`)
+read it from `token_buf`, which every step's sampler output is written into at the row's state
+slot (a request's slot is its own while it runs). All of it is queued on one stream, so the next
+step reads the buffer after this step wrote it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,6 +33,37 @@ from mambaserve.host_upload import upload
 from mambaserve.layers.sampler import compute_logprobs, sample
 from mambaserve.metadata import plan_metadata
 
+FEED = "feed."  # names of the token-feed arrays inside a shared upload
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its batch and plan, the read-back under way and its completion."""
+
+    batch: Batch
+    plan: SamplingPlan
+    host_out: torch.Tensor | None  # packed results (pinned host memory on CUDA)
+    done: torch.cuda.Event | None  # recorded after the read-back copy (CUDA)
+    start: torch.cuda.Event | None = None  # timing events (CUDA): the step's device span,
+    end: torch.cuda.Event | None = None  # from before its upload to after its read-back
+    cpu_seconds: float = 0.0  # on a CPU the step ran inside launch: its duration
+
+
+def feed_arrays(batch: Batch) -> dict[str, np.ndarray]:
+    """Where the rows whose token is on the device take it from: `dst` flat token indices in
+    the batch, `src` their state slots (indices into the token buffer); and `sample_slot`, the
+    state slot of each sampling row in order (where its sampled token is written)."""
+    dst, src, offset = [], [], 0
+    for row in batch.rows:
+        if row.input_on_device:
+            dst.append(offset + row.num_tokens - 1)
+            src.append(row.state_slot)
+        offset += row.num_tokens
+    slots = [r.state_slot for r in batch.rows if r.samples]
+    return {FEED + "dst": np.array(dst, dtype=np.int64),
+            FEED + "src": np.array(src, dtype=np.int64),
+            FEED + "sample_slot": np.array(slots, dtype=np.int64)}
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, state_pool: StatePool, kv_pool: KVPool,
@@ -31,6 +72,9 @@ class ModelRunner:
         cfg = model.cfg
         self.chunk_size, self.conv_kernel = cfg.chunk_size, cfg.conv_kernel
         self.on_forward = None  # test hook: called with (batch, meta) before the forward
+        # the last sampled token of each state slot (+ the scratch slot), for overlap scheduling
+        self.token_buf = torch.zeros(state_pool.num_slots + 1, dtype=torch.int64, device=device)
+        self.busy_seconds = 0.0  # device time of collected steps (CPU: their wall time)
         self.graph_runner = None  # engine/cuda_graph.CudaGraphRunner when graphs are enabled
         # per-request token counts for penalties (device rows allocated on first use)
         self.penalties = PenaltyState(cfg.vocab_size, device)
@@ -38,14 +82,29 @@ class ModelRunner:
         self.section: Callable[[str], contextlib.AbstractContextManager] = \
             lambda label: contextlib.nullcontext()
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> list[RowResult]:
+        """Run one step and return its results (launch + collect)."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> StepHandle:
+        """Queue the step on the device: upload, forward, sampler, the read-back of its results
+        (non-blocking on CUDA). The host does not wait for the device."""
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        start = end = None
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         plan = SamplingPlan.from_batch(batch, self.penalties)
+        feed = feed_arrays(batch)
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(batch):
             # decode-only batch: static buffers + captured graph (engine/cuda_graph.py)
-            sampling = SamplingMetadata.on_device(plan, upload(plan.arrays, self.device))
+            tensors = upload({**plan.arrays, **feed}, self.device)
+            sampling = SamplingMetadata.on_device(plan, tensors)
             meta = graphs.load(batch)
+            self._feed(meta.input_ids, tensors)  # into the graph's static input_ids
             if self.on_forward is not None:
                 self.on_forward(batch, meta)
             with self.section("forward"):
@@ -54,26 +113,51 @@ class ModelRunner:
             host = plan_metadata(batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel,
                                  page_size=self.kv_pool.page_size,
                                  scratch_page=self.kv_pool.scratch_page)
-            tensors = upload({**host.arrays, **plan.arrays}, self.device)  # the one upload
+            tensors = upload({**host.arrays, **plan.arrays, **feed}, self.device)  # one upload
             meta, sampling = host.on_device(tensors), SamplingMetadata.on_device(plan, tensors)
+            self._feed(meta.input_ids, tensors)
             if self.on_forward is not None:
                 self.on_forward(batch, meta)
             with self.section("forward"):
                 logits = self.model(meta, self.state_pool.conv_state, self.state_pool.ssm_state,
                                     self.kv_pool.kv_cache)
         with self.section("sampler"):
-            parts = self._sample(sampling, logits)
+            parts = self._sample(sampling, logits, tensors[FEED + "sample_slot"])
+        host_out = done = None
         with self.section("readback"):
-            # NOTE: the step's one device-to-host copy (a sync on CUDA).
-            host_out = _as_numpy(torch.cat(parts).cpu()) if parts else np.zeros(0)
-        return self._unpack(batch, plan, host_out)
+            if parts:
+                # NOTE: the step's one device-to-host copy; non-blocking (into pinned memory) on
+                # CUDA, completed by `done`, which `collect` waits for.
+                host_out = torch.cat(parts).to("cpu", non_blocking=True)
+        if cuda:
+            end.record()  # after the read-back: its completion is the step's
+            done = end
+        return StepHandle(batch, plan, host_out, done, start, end,
+                          0.0 if cuda else time.perf_counter() - t0)
 
-    @staticmethod
-    def _sample(sampling: SamplingMetadata, logits: torch.Tensor) -> list[torch.Tensor]:
-        """Sampled tokens and logprobs (and prompt logprobs), flattened as float64 tensors."""
+    def collect(self, handle: StepHandle) -> list[RowResult]:
+        """Wait for a launched step's read-back (the step's one sync) and unpack its results."""
+        if handle.done is not None:
+            handle.done.synchronize()
+        self.busy_seconds += (handle.start.elapsed_time(handle.end) / 1e3
+                              if handle.start is not None else handle.cpu_seconds)
+        host = _as_numpy(handle.host_out) if handle.host_out is not None else np.zeros(0)
+        return self._unpack(handle.batch, handle.plan, host)
+
+    def _feed(self, input_ids: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Rows whose input token is still on the device take it from the token buffer."""
+        dst = tensors[FEED + "dst"]
+        if dst.numel():
+            input_ids.index_copy_(0, dst, self.token_buf.index_select(0, tensors[FEED + "src"]))
+
+    def _sample(self, sampling: SamplingMetadata, logits: torch.Tensor,
+                sample_slots: torch.Tensor) -> list[torch.Tensor]:
+        """Sampled tokens and logprobs (and prompt logprobs), flattened as float64 tensors; the
+        sampled tokens also go to the token buffer at their rows' state slots."""
         plan, parts = sampling.plan, []
         if plan.sample_rows:
             out = sample(logits.index_select(0, sampling.sample_logit_idx), sampling.params)
+            self.token_buf.index_copy_(0, sample_slots, out.token_ids)
             parts += [out.token_ids.double(), out.logprobs.double()]
             if plan.num_logprobs:
                 parts += [out.topk_ids.double().flatten(), out.topk_logprobs.double().flatten()]

@@ -58,7 +58,7 @@ class SamplingPlan:
             temperature=[float(r.params.temperature) for r in reqs],
             top_k=[r.params.top_k for r in reqs], top_p=[r.params.top_p for r in reqs],
             min_p=[r.params.min_p for r in reqs], seed=[r.seed for r in reqs],
-            step=[len(r.output_token_ids) for r in reqs],
+            step=[rows[i].output_index for i in sample_rows],  # noise index of the token
             logit_bias=[r.params.logit_bias for r in reqs], token_bitmask=_token_bitmask(reqs))
         pen = penalties.plan(reqs) if penalties is not None else None
         if pen is None and any(r.params.uses_penalties for r in reqs):

@@ -1,16 +1,31 @@
-"""Continuous batching with chunked prefill under a per-step token budget, and the step's
-bookkeeping: `schedule()` builds the step's `Batch`, `update(batch, results)` applies what the
-forward produced (tokens, stops, releases, snapshots handed to the prefix cache).
+"""Continuous batching with chunked prefill under a per-step token budget, KV pages on demand
+with preemption, and the step's bookkeeping: `schedule()` builds the step's `Batch`,
+`update(batch, results)` applies what the forward produced (tokens, stops, releases, snapshots
+handed to the prefix cache). See docs/architecture.md ("The step loop").
 
-Each step takes every running decode (one token each), then continues partially prefilled
-requests, then admits waiting requests first-come-first-served while a state slot, the KV pages
-the request may ever need, and a place under `max_num_seqs` are free. A request that does not
-fit waits (head-of-line: later requests do not overtake it). Prefill rows come first in the
-batch, decode rows last.
+Each step walks the running requests oldest first: a decode (one token) for each request whose
+prefill is done, the next chunk for each partially prefilled one, then admits waiting requests
+first-come-first-served while a state slot, the KV pages of their first chunk and a place under
+`max_num_seqs` are free (head-of-line: a request that does not fit makes later ones wait). While
+decodes run, the step's prefill tokens are capped at `max_step_prefill_tokens` so a burst of
+arrivals does not stall every stream for a whole chunk. Prefill rows come first in the batch,
+decode rows last.
 
-KV pages are reserved for the request's whole length (prompt + max_tokens, capped at
-max_model_len) on admission, so a running request never needs preemption; in hybrid models the
-few attention layers make pages cheap next to the Mamba state slot every request needs anyway.
+KV pages on demand: a request holds the pages of the positions it has written plus those its next
+row writes. When a running request needs a page and none is free (after evicting cached
+prefixes), the most recently admitted running request is preempted: its slot and pages go back
+(its latest snapshot and blocks to the prefix cache), it returns to the front of the waiting
+queue, and on re-admission it recomputes its prompt and the tokens it had generated
+(`Request.recompute_len`) before sampling on; the sampler's noise depends on (seed, token index),
+so the continuation is the one it would have produced.
+
+Overlap scheduling: a step may be scheduled while the previous one still runs. `schedule()`
+therefore advances `num_computed` and counts the sampled token as in flight (`inflight_tokens`)
+when it makes a row, and a request that finishes (or is aborted) while a step holding one of its
+rows is in flight keeps its slot and pages until that step's results were applied (the rows it
+left are computed and their tokens discarded). Preempting a request with a row in flight would
+free memory a running step still writes: `schedule()` returns `DRAIN` instead, and the engine
+completes the step in flight and schedules again.
 """
 
 from __future__ import annotations
@@ -24,22 +39,26 @@ from mambaserve.engine.request import Request, Status
 from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.stop_checker import StopChecker
 
+DRAIN = "drain"  # schedule(): complete the step in flight first, then schedule again
+
 
 class Scheduler:
     def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_num_seqs: int,
                  token_budget: int, stop_checker: StopChecker,
-                 policy: SnapshotPolicy | None = None) -> None:
+                 policy: SnapshotPolicy | None = None,
+                 max_step_prefill_tokens: int | None = None) -> None:
         self.state_pool, self.kv_pool, self.policy = state_pool, kv_pool, policy
         self.stop_checker = stop_checker
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
+        self.max_step_prefill_tokens = max_step_prefill_tokens or token_budget
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-
-    def pages_needed(self, req: Request) -> int:
-        return self.kv_pool.pages_for(req.max_total_len)
+        self.running: list[Request] = []  # in admission order
+        # finished or aborted while a step holding one of their rows is in flight
+        self.releasing: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
-        need = self.pages_needed(req)
+        need = self.kv_pool.pages_for(req.max_total_len)
         if need > self.kv_pool.num_pages:
             raise ValueError(
                 f"request {req.request_id} needs {need} KV pages for {req.max_total_len} tokens "
@@ -49,64 +68,152 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.releasing)
 
-    def schedule(self) -> Batch | None:
-        budget = self.token_budget
-        decodes = [Row(r, len(r.all_token_ids) - 1, 1) for r in self.running if r.prefill_done]
-        budget -= len(decodes)
-        prefills: list[Row] = []
-        for r in self.running:
-            if budget <= 0:
+    def needs_host_tokens(self) -> bool:
+        """A running request that must see its last token before its next step is built has a
+        token in flight (constrained decoding): the next step must not run ahead."""
+        return any(r.inflight_tokens and r.params.needs_host_token_each_step
+                   for r in self.running)
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def schedule(self) -> Batch | str | None:
+        """The next step's batch; None when there is nothing to run; `DRAIN` when a request
+        with a row in flight would have to be preempted (nothing was scheduled then)."""
+        # pass 1: what each running request runs next, and its pages (preempting if needed)
+        decoding = sum(1 for r in self.running if r.prefill_done and r.num_tokens < r.max_total_len)
+        budget = self.token_budget - decoding
+        if decoding:
+            budget = min(budget, self.max_step_prefill_tokens)
+        plan: list[tuple[Request, int, int, int]] = []  # (request, start, tokens, restore_from)
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            if r.prefill_done:
+                if r.num_tokens >= r.max_total_len:  # its last token is in flight
+                    i += 1
+                    continue
+                start, n = r.num_tokens - 1, 1
+            else:
+                start, n = r.num_computed, min(r.prefill_len - r.num_computed, budget)
+                if n <= 0:
+                    i += 1
+                    continue
+            got = self._grow(r, start + n)
+            if got == DRAIN:
+                return DRAIN
+            preempted |= got is not True
+            if got is False:  # r itself was preempted: it was the newest, nothing follows
                 break
+            plan.append((r, start, n, -1))
             if not r.prefill_done:
-                n = min(r.prompt_len - r.num_computed, budget)
-                prefills.append(Row(r, r.num_computed, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            i += 1
+        # admissions (not in a step that had to preempt: the memory is needed by those running)
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            restore_from = self._admit(req)
-            if restore_from is None:
+            admitted = self._admit(req, budget)
+            if admitted is None:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = min(req.prompt_len - req.num_computed, budget)
-            prefills.append(Row(req, req.num_computed, n, restore_from=restore_from))
+            n, restore_from = admitted
+            plan.append((req, req.num_computed, n, restore_from))
             budget -= n
-        if not prefills and not decodes:
+        if not plan:
             return None
-        if self.policy is not None:
-            for row in prefills + decodes:
-                row.snapshots = self.policy.snapshots_for(
-                    row.request, row.start, row.num_tokens, is_decode=row.request.prefill_done)
+        # pass 2: the rows; from here on the step counts as scheduled
+        prefills: list[Row] = []
+        decodes: list[Row] = []
+        for req, start, n, restore_from in plan:
+            is_decode = req.prefill_done
+            row = Row(req, start, n, restore_from=restore_from)
+            if self.policy is not None:
+                row.snapshots = self.policy.snapshots_for(req, start, n, is_decode=is_decode)
+            (decodes if is_decode else prefills).append(row)
+            req.num_computed = start + n
+            req.inflight_steps += 1
+            req.inflight_tokens += row.samples
         return Batch(prefills, decodes)
 
-    def _admit(self, req: Request) -> int | None:
-        """Allocate the request's slot and pages (evicting cached prefixes if needed). Returns
-        the cached snapshot slot its first forward restores (-1: none), None if it must wait."""
+    def _grow(self, req: Request, num_tokens: int) -> bool | str | None:
+        """Give `req` the KV pages of positions [0, num_tokens). True: done; False: `req` itself
+        was preempted; None: done after preempting newer requests; DRAIN: the request to
+        preempt has a row in flight, or finished requests still hold pages until the step in
+        flight is collected."""
+        preempted = False
+        while True:
+            need = self.kv_pool.pages_for(num_tokens) - len(req.pages)
+            if need <= 0:
+                return None if preempted else True
+            if self.kv_pool.num_free < need and self.policy is not None:
+                self.policy.make_room([], 0, need)
+            if self.kv_pool.num_free >= need:
+                req.pages += self.kv_pool.allocate(need)
+                continue
+            victim = self.running[-1]
+            if victim.inflight_steps or self.releasing:  # collecting may free what is needed
+                return DRAIN
+            if victim is req and len(self.running) == 1:
+                # cannot happen: add() refuses a request longer than the whole pool
+                raise RuntimeError(f"request {req.request_id} alone does not fit the KV pool")
+            self.preempt(victim)
+            preempted = True
+            if victim is req:
+                return False
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's slot and pages and requeue it at the front of the waiting
+        queue; it recomputes its tokens when admitted again. Needs no row of it in flight."""
+        assert not req.inflight_steps and not req.inflight_tokens, "preempting a request in flight"
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.recompute_len = len(req.all_token_ids)
+        if req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.prompt_len:
+            req.prompt_logprobs = [None]  # recomputed with the prompt
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _admit(self, req: Request, budget: int) -> tuple[int, int] | None:
+        """Allocate the request's slot and the pages of its first chunk (evicting cached prefixes
+        if needed). Returns (tokens of the first chunk, cached snapshot slot its first forward
+        restores or -1), None if it must wait."""
         path, hit_len = self.policy.match(req) if self.policy else ([], 0)
+        n = min(req.prefill_len - hit_len, budget)
         shared = self.policy.pages_shared(hit_len) if self.policy else 0
-        need = self.pages_needed(req) - shared
-        if self.state_pool.num_free == 0 or self.kv_pool.num_free < need:
-            if self.policy is None or not self.policy.make_room(path, 1, need):
-                return None
+        need = self.kv_pool.pages_for(hit_len + n) - shared
+        short = self.state_pool.num_free == 0 or self.kv_pool.num_free < need
+        if short and (self.policy is None or not self.policy.make_room(path, 1, need)):
+            return None
         req.state_slot = self.state_pool.allocate()
         pages = self.kv_pool.allocate(need)
         req.status = Status.RUNNING
         if self.policy is None:
             req.pages = pages
-            return -1
-        return self.policy.admit(req, path, hit_len, pages)
+            return n, -1
+        return n, self.policy.admit(req, path, hit_len, pages)
 
-    def update(self, batch: Batch, results: list[RowResult]) -> None:
-        """Apply a step's results: computed tokens, prompt logprobs, sampled tokens; snapshots
-        written by the forward go to the prefix cache; finished requests give back their slot
-        and pages."""
+    # ---- update ------------------------------------------------------------------------------
+    def update(self, batch: Batch, results: list[RowResult]) -> list[Request]:
+        """Apply a step's results: prompt logprobs, sampled tokens, stops; snapshots written by
+        the forward go to the prefix cache; finished requests give back their slot and pages
+        (once no step holding a row of theirs is in flight). The token of a request that had
+        already finished is discarded. Returns the requests whose output changed."""
+        changed = []
         for row, res in zip(batch.rows, results):
             req = row.request
+            self._settle(row)
             if self.policy is not None:
-                self.policy.after_forward(req)
-            req.num_computed += row.num_tokens
+                self.policy.after_forward(req, row)
+            if req.finished:
+                self._release_if_idle(req)
+                continue
+            changed.append(req)
             if res.prompt_logprobs:
                 req.prompt_logprobs.extend(res.prompt_logprobs)
             if res.token_id is None:
@@ -121,16 +228,40 @@ class Scheduler:
                 stop = ("stop", None)  # structured output: the grammar is complete
             if stop is not None:
                 self.finish(req, *stop)
+        return changed
+
+    def abandon(self, batch: Batch) -> None:
+        """A scheduled step failed (it raised before its results were applied): its rows no
+        longer count as in flight, so finished or aborted requests can be released. The
+        requests still running are left for the caller to abort (the server fails them)."""
+        for row in batch.rows:
+            if not row.applied:
+                self._settle(row)
+                self._release_if_idle(row.request)
+
+    @staticmethod
+    def _settle(row: Row) -> None:
+        row.applied = True
+        row.request.inflight_steps -= 1
+        row.request.inflight_tokens -= row.samples
+
+    def _release_if_idle(self, req: Request) -> None:
+        if req.finished and not req.inflight_steps and req in self.releasing:
+            self.releasing.remove(req)
+            self._release(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        """Mark finished and give back everything the request held."""
+        """Mark finished and give back everything the request held (after its rows in flight)."""
         req.finish_reason, req.stop_reason = reason, stop_reason
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        self._release(req)
         req.status = Status.FINISHED
+        if req.inflight_steps:
+            self.releasing.append(req)
+        else:
+            self._release(req)
 
     def _release(self, req: Request) -> None:
         if self.policy is not None:

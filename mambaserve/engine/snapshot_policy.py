@@ -18,11 +18,18 @@ Policy (every position is a multiple of the snapshot interval I):
   old conversation of L tokens (the last sampled token is never fed, so its state never exists).
 Snapshots are taken only when a slot is free or can be freed by evicting cached entries; they
 are an optimization and never make a request wait.
+
+Under overlap scheduling a row's snapshots are planned before the previous step's results are
+applied, so each is accounted to the row that writes it (`after_forward(req, row)`), and a request
+that ends while a step holding one of its rows is in flight is released after that step
+(engine/scheduler.py). A preempted request is released like a finished one: its latest snapshot
+and blocks enter the tree, and its recompute (prompt + generated tokens) matches them.
 """
 
 from __future__ import annotations
 
 from mambaserve.cache.radix_cache import Node, PrefixCache
+from mambaserve.engine.batch import Row
 from mambaserve.engine.request import Request
 
 
@@ -35,8 +42,9 @@ class SnapshotPolicy:
     # ---- admission -------------------------------------------------------------------------
     def match(self, req: Request) -> tuple[list[Node], int]:
         """The matched path (to lock) and the hit length in tokens."""
-        m = self.cache.match(req.prompt_token_ids, req.prompt_len - 1)
-        if req.params.prompt_logprobs is not None:
+        n = req.prefill_len
+        m = self.cache.match(req.all_token_ids[:n], n - 1)
+        if req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.prompt_len:
             # every prompt token's logprob is asked for: compute them all (no hit), but still
             # lock the path and leave snapshots for later requests
             return m.path, 0
@@ -51,16 +59,18 @@ class SnapshotPolicy:
         req.pages = shared + new_pages
         req.cache_path = path
         self.cache.lock(path)
-        req.num_computed = req.num_cached_tokens = hit_len
+        req.num_computed = hit_len
+        if not req.num_preemptions:  # what the user sees: the first admission's reuse
+            req.num_cached_tokens = hit_len
         targets = set()
         deepest = path[-1] if path else None
         if deepest is not None and deepest.depth * self.interval > hit_len and deepest.slot < 0:
             targets.add(deepest.depth * self.interval)  # divergence point
-        prompt_pos = (req.prompt_len - 1) // self.interval * self.interval
+        prompt_pos = (req.prefill_len - 1) // self.interval * self.interval
         if prompt_pos > hit_len:
             targets.add(prompt_pos)
         req.tree_snapshots = {p: -1 for p in sorted(targets)}
-        self.cache.record_query(req.prompt_len, hit_len)
+        self.cache.record_query(req.prefill_len, hit_len)
         return hit_nodes[-1].slot if hit_nodes else -1
 
     def pages_shared(self, hit_len: int) -> int:
@@ -103,23 +113,24 @@ class SnapshotPolicy:
                 req.pending_slot = self._slot()
             if req.pending_slot >= 0:
                 out.append((last, req.pending_slot))
-                req.pending_target = last
         return out
 
-    def after_forward(self, req: Request) -> None:
-        """The forward that wrote this request's snapshots has run."""
-        for pos, slot in list(req.tree_snapshots.items()):
-            if slot >= 0:
+    def after_forward(self, req: Request, row: Row) -> None:
+        """The forward of `row` (one of `req`'s rows) has run: its tree snapshots enter the tree,
+        and the request's latest snapshot is at the position the row wrote."""
+        for pos, slot in row.snapshots:
+            if slot >= 0 and req.tree_snapshots.get(pos) == slot:
                 self.cache.insert(req.all_token_ids[:pos], req.pages, slot)
                 del req.tree_snapshots[pos]
-        if req.pending_target > 0:
-            req.pending_pos, req.pending_target = req.pending_target, 0
+            elif slot >= 0 and slot == req.pending_slot:
+                req.pending_pos = pos
 
     # ---- end -------------------------------------------------------------------------------
     def release(self, req: Request) -> None:
         """The request ended: its latest snapshot and blocks enter the tree; unlock its path."""
         if req.pending_slot >= 0:
-            if req.pending_pos > 0:
+            # (an aborted request's last row may have fed a token that was never read back)
+            if 0 < req.pending_pos <= len(req.all_token_ids):
                 self.cache.insert(req.all_token_ids[: req.pending_pos], req.pages,
                                   req.pending_slot)
             else:

@@ -177,6 +177,13 @@ class _EngineCollector:
         yield gauge("prefix_cache_snapshot_bytes", "Bytes of the cached state snapshots.",
                     c.get("snapshot_bytes", 0))
         yield counter("engine_steps_total", "Engine steps (forwards) run.", snap.steps)
+        yield counter("engine_preemptions_total",
+                      "Running sequences preempted for KV pages (recomputed later).",
+                      snap.preemptions)
+        yield counter("engine_device_busy_seconds_total",
+                      "Device time of the engine's steps, from before each step's upload to "
+                      "after its read-back (CUDA events; on a CPU the steps' wall time); its "
+                      "rate is the device-busy fraction.", snap.device_busy_seconds)
         yield counter("engine_step_errors_total",
                       "Engine steps that raised (the requests in flight failed).",
                       snap.step_errors)

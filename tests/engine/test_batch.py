@@ -1,6 +1,8 @@
 """The host batch type: what a row derives from its request, and the sampling plan's layout of
 logit rows (prompt-logprob targets, then the sample, row by row)."""
 
+import pytest
+
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.engine.request import Request
 from mambaserve.engine.sampling_metadata import PREFIX, SamplingPlan
@@ -47,3 +49,18 @@ def test_sampling_plan_lays_out_targets_then_samples_per_row():
     assert plan.num_logprobs == 4 and plan.num_prompt_logprobs == 3
     assert arr["temperature"].tolist() == [1.0, 0.5] and arr["top_k"].tolist() == [0, 3]
     assert arr["step"].tolist() == [0, 1] and arr["seed"].tolist() == [5, 5]
+
+
+def test_a_row_scheduled_before_its_token_was_read_back():
+    """Overlap scheduling: the request's last sampled token is still on the device."""
+    req = request([10, 11, 12], out=[20])
+    req.inflight_tokens = 1  # sampled by the step in flight, not read back
+    row = Row(req, 4, 1)
+    assert row.input_on_device and row.samples and row.token_ids == [0]
+    assert row.output_index == 2 and req.num_tokens == 5
+    prev = Row(req, 3, 1)  # the row that fed token 20 (already on the host)
+    assert not prev.input_on_device and prev.token_ids == [20] and not prev.samples
+    resumed = Row(req, 0, 4)  # a recompute after a preemption: prompt + outputs, from the host
+    assert resumed.token_ids == [10, 11, 12, 20] and not resumed.input_on_device
+    with pytest.raises(ValueError, match="one-token row"):
+        Row(req, 3, 2)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mambaserve import LLM, SamplingParams
+from mambaserve.engine.batch import Batch, Row
 from mambaserve.engine.cuda_graph import (
     ROW_FIELDS,
     StaticLayout,
@@ -13,7 +14,6 @@ from mambaserve.engine.cuda_graph import (
     graph_metadata,
     pack_decode_batch,
 )
-from mambaserve.engine.batch import Batch, Row
 
 PS, SCRATCH = 4, 99
 
@@ -171,6 +171,66 @@ def test_cuda_graph_matches_eager_on_gpu(tiny_ckpt, prefix):
         again = [p + [5] * 20 for p in prompts]
         assert _generate(graph, again, params) == _generate(eager, again, params)
         graph.engine.check_integrity()
+
+
+def _overlap_workload():
+    prompts = _prompts() + [p[:7] for p in _prompts()]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=14, logprobs=1),
+              SamplingParams(temperature=0.9, seed=8, max_tokens=10, n=2),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=20, stop=["a", "e"]),
+              SamplingParams(temperature=1.0, seed=6, max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def _all_tokens(llm, prompts, params):
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+
+
+def _count_device_fed_graph_rows(llm):
+    gr, seen = llm.engine.runner.graph_runner, []
+    load = gr.load
+    gr.load = lambda batch: (seen.append(sum(r.input_on_device for r in batch.rows)),
+                             load(batch))[1]
+    return seen
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_static_buffer_path_under_overlap_matches_sync_on_cpu(tiny_ckpt, prefix):
+    """Overlap scheduling through the graph runner's static buffers (uncaptured on a CPU): the
+    decode rows' input tokens come from the device token buffer, scattered into the static
+    input_ids, and the tokens equal the synchronous eager run."""
+    kw = {"device": "cpu", "max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24,
+          "enable_prefix_caching": prefix}
+    lag = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, async_scheduling=True, **kw)
+    seen = _count_device_fed_graph_rows(lag)
+    prompts, params = _overlap_workload()
+    ref = _all_tokens(LLM(tiny_ckpt, enforce_eager=True, async_scheduling=False, **kw),
+                      prompts, params)
+    assert _all_tokens(lag, prompts, params) == ref
+    assert sum(seen) > 10
+    lag.engine.check_integrity()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefix", [False, True])
+def test_overlap_with_cuda_graphs_matches_sync_on_gpu(tiny_ckpt, prefix):
+    """On the GPU: graphs + overlap scheduling (the default) give the tokens of graphs without
+    overlap, and of eager without overlap; graph replays took tokens from the device buffer."""
+    kw = {"device": "cuda", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
+          "chunked_prefill_size": 32, "enable_prefix_caching": prefix,
+          "memory_budget_bytes": 64 << 20, "cuda_graph_max_bs": 8}
+    lag = LLM(tiny_ckpt, **kw)
+    assert lag.engine.async_scheduling and lag.engine.runner.graph_runner.graphs
+    seen = _count_device_fed_graph_rows(lag)
+    prompts, params = _overlap_workload()
+    sync = _all_tokens(LLM(tiny_ckpt, async_scheduling=False, **kw), prompts, params)
+    assert _all_tokens(lag, prompts, params) == sync
+    assert sum(seen) > 10
+    eager = LLM(tiny_ckpt, async_scheduling=False, enforce_eager=True, **kw)
+    assert _all_tokens(eager, prompts, params) == sync
+    lag.engine.check_integrity()
 
 
 def test_capture_batches_touch_only_scratch_memory(tiny_ckpt):

@@ -50,17 +50,18 @@ def test_requests_wait_for_slots_and_all_complete(tiny_ckpt):
     assert (eng.state_pool.num_free, eng.kv_pool.num_free) == (free_slots, free_pages)
 
 
-def test_kv_pages_limit_admission(tiny_ckpt):
+def test_admission_takes_the_first_chunks_pages_not_the_whole_length(tiny_ckpt):
     llm = tight_llm(tiny_ckpt, slots=4)
     eng = llm.engine
     pages = eng.kv_pool.num_pages
-    # each request reserves pages for prompt + max_tokens; ask for more than half the pool
+    # prompt + max_tokens of each is more than half the pool: both run at once all the same
     n_tokens = (pages // 2 + 1) * eng.kv_pool.page_size - 20
     params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
     eng.add_request("a", rand_prompts([20])[0], params)
     eng.add_request("b", rand_prompts([20], seed=1)[0], params)
     eng.step()
-    assert len(eng.scheduler.running) == 1 and len(eng.scheduler.waiting) == 1
+    assert [len(r.pages) for r in eng.scheduler.running] == [2, 1]  # 20 and 12 of 32 tokens
+    assert not eng.scheduler.waiting
     eng.abort_request("a")
     eng.step()
     assert [r.request_id for r in eng.scheduler.running] == ["b"]
@@ -123,3 +124,34 @@ def test_pools_take_exactly_what_the_limits_need_when_it_fits(tiny_ckpt):
     n = tight.state_pool.num_slots
     assert 1 <= n and n * slot_b <= need // 2
     assert n * slot_b + tight.kv_pool.num_pages * page_b <= need
+
+
+def test_prefill_is_capped_per_step_while_decodes_run(tiny_ckpt):
+    """A new arrival's prompt goes in max_step_prefill_tokens slices while others decode, in
+    whole chunked_prefill_size chunks when nothing decodes; the outputs do not change."""
+    llm = LLM(tiny_ckpt, chunked_prefill_size=64, max_step_prefill_tokens=8, max_num_seqs=4)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seen = []
+    eng.runner.on_forward = lambda batch, meta: seen.append(
+        ([r.num_tokens for r in batch.prefills], len(batch.decodes)))
+    prompts = rand_prompts([40, 30], seed=3)
+    eng.add_request("a", prompts[0], params)
+    eng.step()
+    assert seen[-1] == ([40], 0)  # nothing decodes: the whole prompt at once
+    eng.add_request("b", prompts[1], params)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert seen[1:5] == [([8], 1)] * 3 + [([6], 1)]
+    ref = LLM(tiny_ckpt, chunked_prefill_size=64, max_num_seqs=4).generate(prompts, params)
+    assert [done[k].outputs[0].token_ids for k in "ab"] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_max_step_prefill_tokens_must_be_positive():
+    import pytest
+
+    from mambaserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_step_prefill_tokens must be >= 1"):
+        EngineConfig(max_step_prefill_tokens=0).validate()

@@ -342,6 +342,12 @@ METRICS = {  # name -> help text: what docs/server.md lists
     "mambaserve_prefix_cache_snapshot_bytes": "Bytes of the cached state snapshots.",
     "mambaserve_engine_steps": "Engine steps (forwards) run.",
     "mambaserve_engine_step_errors": "Engine steps that raised (the requests in flight failed).",
+    "mambaserve_engine_preemptions": "Running sequences preempted for KV pages (recomputed "
+                                     "later).",
+    "mambaserve_engine_device_busy_seconds": "Device time of the engine's steps, from before "
+                                             "each step's upload to after its read-back (CUDA "
+                                             "events; on a CPU the steps' wall time); its rate "
+                                             "is the device-busy fraction.",
     "mambaserve_engine_up": "1 while the engine loop runs and takes requests.",
 }
 
