@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve kernels attention profile ncu audit moe moe-presets
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve kernels attention profile ncu audit moe moe-presets overlap
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -132,6 +132,14 @@ stage_ncu() {  # hardware counters of the SSD scan's launches, ours and mamba_ss
 stage_kernels() {  # every kernel against its reference and the peers (KERNELS_ARGS=--sweep)
     PYTHONPATH=$PYTHONPATH:.peer/mamba_ssm-2.3.2.post1 run kernels 300 $MS bench kernels \
         ${KERNELS_ARGS:-} --out "$W/kernels.json"
+}
+stage_overlap() {  # overlap scheduling on the GPU: its tests, the sync audit, on vs off A/B
+    run overlap-tests 240 $PY -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda_graph.py \
+        tests/models/test_sparse_moe.py tests/engine/test_overlap.py
+    run overlap-audit 90 $MS audit-syncs --device cuda
+    run overlap-ab 240 $MS bench ab --preset $PRESET --device cuda --dtype bfloat16 \
+        --a async_scheduling=false --b async_scheduling=true --rounds 2 --num-prompts 32 \
+        --input-len 256 --output-len 64 --out "$W/ab_overlap.json"
 }
 stage_moe() {  # the sparse experts: GPU tests, kernel timings, the sync audit of an MoE model
     run moe-tests 240 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_triton_moe_experts.py \
