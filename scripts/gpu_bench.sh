@@ -135,7 +135,7 @@ stage_kernels() {  # every kernel against its reference and the peers (KERNELS_A
 }
 stage_overlap() {  # overlap scheduling on the GPU: its tests, the sync audit, on vs off A/B
     run overlap-tests 240 $PY -m pytest -q -x -p no:cacheprovider tests/engine/test_cuda_graph.py \
-        tests/models/test_sparse_moe.py tests/engine/test_overlap.py
+        tests/models/test_sparse_moe.py tests/engine/test_overlap.py tests/engine/test_logits_processing.py
     run overlap-audit 90 $MS audit-syncs --device cuda
     run overlap-ab 240 $MS bench ab --preset $PRESET --device cuda --dtype bfloat16 \
         --a async_scheduling=false --b async_scheduling=true --rounds 2 --num-prompts 32 \
