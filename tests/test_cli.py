@@ -270,3 +270,20 @@ def test_every_command_has_help_with_no_unexplained_defaults(capsys):
         text = _help(capsys, *cmd)
         assert "usage: mambaserve" in text, cmd
         assert "(default: None)" not in text and "(default: )" not in text, cmd
+
+
+def test_the_parser_and_offline_commands_need_no_web_stack():
+    """Building the CLI (every subcommand's flags, the parser names of `serve`) imports neither
+    fastapi nor uvicorn, so `generate`, `bench` and `audit-syncs` run where they are missing."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None\n"
+            "from mambaserve.cli import build_parser\n"
+            "build_parser().parse_args(['audit-syncs', '--device', 'cpu'])\n"
+            "import mambaserve.server as s\n"
+            "try:\n    s.create_app\nexcept ImportError:\n    print('lazy')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "lazy"

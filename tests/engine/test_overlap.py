@@ -181,7 +181,7 @@ def test_async_scheduling_default_and_flag(tiny_ckpt):
 
     from mambaserve.config import EngineConfig
 
-    assert LLM(tiny_ckpt).engine.async_scheduling is False  # CPU: off unless asked
+    assert LLM(tiny_ckpt, device="cpu").engine.async_scheduling is False  # CPU: off unless asked
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     assert EngineConfig.from_cli(parser.parse_args([])).async_scheduling is None
