@@ -134,29 +134,43 @@ def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int,
     return sorted_pairs, block_expert
 
 
+@triton.jit
+def _program_block(block_expert_ptr, N, BLOCK_N: tl.constexpr):
+    """(this program's block, its column tile, the block's expert: -1 = nothing to do)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    return pid_m, pid % num_n, tl.load(block_expert_ptr + pid_m)
+
+
+@triton.jit
+def _block_operands(sorted_ptr, w_ptr, e, pid_m, pid_n, num_pairs, stride_we, stride_wn, N,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The block's rows and their pair ids (valid: not padding), the tile's columns, and the
+    pointers of expert e's first [BLOCK_K, BLOCK_N] weight tile (rows of w: output columns)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    b_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    return rows, pair, pair < num_pairs, offs_n, offs_n < N, offs_k, b_ptrs
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_in_kernel(x_ptr, w_ptr, inter_ptr, sorted_ptr, block_expert_ptr,
                    num_pairs, top_k, N, K,
                    stride_xt, stride_we, stride_wn, stride_im,
                    SWIGLU: tl.constexpr, DT: tl.constexpr, IP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    e = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, e = _program_block(block_expert_ptr, N, BLOCK_N)
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    rows, pair, valid, offs_n, n_ok, offs_k, b_ptrs = _block_operands(
+        sorted_ptr, w_ptr, e, pid_m, pid_n, num_pairs, stride_we, stride_wn, N,
+        BLOCK_M, BLOCK_N, BLOCK_K)
     tok = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    b_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -186,22 +200,13 @@ def _moe_out_kernel(inter_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, wei
                     stride_im, stride_we, stride_wn, stride_ot,
                     ROUND_PRODUCT: tl.constexpr, DT: tl.constexpr, IP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    e = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, e = _program_block(block_expert_ptr, N, BLOCK_N)
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+    rows, pair, valid, offs_n, n_ok, offs_k, b_ptrs = _block_operands(
+        sorted_ptr, w_ptr, e, pid_m, pid_n, num_pairs, stride_we, stride_wn, N,
+        BLOCK_M, BLOCK_N, BLOCK_K)
     a_ptrs = inter_ptr + rows[:, None].to(tl.int64) * stride_im + offs_k[None, :]
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    b_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
