@@ -4,6 +4,7 @@ and the preemptions are counted."""
 
 import pytest
 import torch
+from test_prefix_cache import run_checked  # generate() step by step, integrity after each step
 
 from mambaserve import LLM, SamplingParams
 from mambaserve.cache.kv_pool import KVPool
@@ -27,19 +28,6 @@ def tiny_pools(tiny_ckpt, slots: int, pages: int, **kw) -> LLM:
               max_model_len=256, **kw)
     assert (llm.engine.state_pool.num_slots, llm.engine.kv_pool.num_pages) == (slots, pages)
     return llm
-
-
-def run_checked(llm: LLM, prompts, params):
-    eng = llm.engine
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.check_integrity()
-    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
 def workload(n=8):
