@@ -72,7 +72,7 @@ PRESETS: dict[str, dict] = {
     # granite-4.0-h-micro shapes (dense Granite-4.0-H: a shared SwiGLU MLP, no routed experts),
     # from a public granite4-h test config: 40 layers, attention every 6th of the first 36,
     # hidden 2048, 32 / 8 heads, MLP 8192, 64 Mamba heads of 64, state 128, NoPE, tied
-    # embeddings. The MoE sizes (-tiny, -small) wait for the sparse MoE path.
+    # embeddings. The MoE -small is the preset "granite-4.0-h-small" below.
     "granite-4.0-h-micro": {
         "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
         "num_hidden_layers": 40,
