@@ -38,14 +38,17 @@ class Recorder:
         monkeypatch.setattr(runner_mod, "sample", wrapped)
 
     def on_forward(self, batch, meta) -> None:
-        reqs = [row.request for row in batch.rows if row.samples]
-        self.steps.append({"reqs": reqs, "pos": [len(r.output_token_ids) for r in reqs]})
+        rows = [row for row in batch.rows if row.samples]
+        # the index of the token each row samples (under overlap scheduling the host has not
+        # read the previous one yet, so len(output_token_ids) can be one short)
+        self.steps.append({"reqs": [row.request for row in rows],
+                           "pos": [row.output_index for row in rows]})
 
 
 def reference_logits(raw: torch.Tensor, req, pos: int) -> torch.Tensor:
     """The processed logits of one row, written out token by token."""
     p = req.params
-    x = raw.float().clone()
+    x = raw.float().cpu().clone()
     for t, b in (p.logit_bias or {}).items():
         x[t] += b
     out = req.output_token_ids[:pos]
