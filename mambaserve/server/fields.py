@@ -27,11 +27,17 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# characters Python's str.splitlines (and so httpx's SSE line reader) breaks lines at that JSON
+# leaves raw: escaped, so an SSE `data:` line stays one line for every client
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(obj) -> str:
-    """Compact JSON, non-ASCII kept; a string that cannot be UTF-8 (a client's lone surrogate
-    quoted back in an error) makes it fall back to \\u escapes instead of failing."""
+    """Compact JSON, non-ASCII kept (but the line separators U+0085, U+2028, U+2029 escaped); a
+    string that cannot be UTF-8 (a client's lone surrogate quoted back in an error) makes it
+    fall back to \\u escapes instead of failing."""
     try:
-        s = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        s = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
         s.encode("utf-8")
         return s
     except UnicodeEncodeError:

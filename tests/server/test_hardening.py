@@ -366,3 +366,16 @@ def test_metrics_parse_with_prometheus_client(server):
     reasons = {s.labels["finish_reason"] for s in
                families["mambaserve_requests_finished"].samples}
     assert reasons == {"stop", "length", "abort", "error"}
+
+
+def test_sse_json_never_contains_a_line_break_a_client_splits_at():
+    """Streamed chunks are `data: <json>` lines; clients that read lines with str.splitlines
+    (httpx) also break at U+0085, U+2028 and U+2029, which JSON allows raw: they are escaped."""
+    import json
+
+    from mambaserve.server.fields import dumps
+
+    text = "a\x85b\u2028c\u2029d\né\x1c"
+    line = dumps({"choices": [{"text": text}]})
+    assert len(line.splitlines()) == 1
+    assert json.loads(line)["choices"][0]["text"] == text
