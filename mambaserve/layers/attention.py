@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from mambaserve.config import ModelConfig
+from mambaserve.distributed.group import TPGroup
+from mambaserve.distributed.parallel_modules import RowParallelLinear, keep_rows, shard_range
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.paged_attention import paged_attention, write_kv
 from mambaserve.ops.rotary import apply_rotary
@@ -29,6 +31,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+
+    def shard(self, tp: TPGroup) -> None:
+        """Keep this rank's query heads and the KV heads they read: KV heads split when tp
+        divides num_kv_heads, else each rank's one KV head replicated (num_kv_heads divides tp);
+        o_proj row-parallel (all-reduce). The rank's KV pool holds its KV heads only."""
+        if tp.tp_size == 1:
+            return
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q0, q1 = shard_range(Hq, tp, "num_attention_heads")
+        if Hkv % tp.tp_size == 0:
+            k0, k1 = shard_range(Hkv, tp, "num_kv_heads")
+        elif tp.tp_size % Hkv == 0:
+            k0 = tp.tp_rank // (tp.tp_size // Hkv)
+            k1 = k0 + 1
+        else:
+            raise ValueError(f"num_kv_heads ({Hkv}) and tensor_parallel_size ({tp.tp_size}): "
+                             "neither divides the other")
+        keep_rows(self.q_proj, torch.arange(q0 * D, q1 * D))
+        for proj in (self.k_proj, self.v_proj):
+            keep_rows(proj, torch.arange(k0 * D, k1 * D))
+        self.o_proj = RowParallelLinear(self.o_proj, q0 * D, q1 * D, tp)
+        self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor
                 ) -> torch.Tensor:

@@ -13,6 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.config import ModelConfig
+from mambaserve.distributed.group import TPGroup
+from mambaserve.distributed.parallel_modules import (
+    RowParallelLinear,
+    keep_rows,
+    param_of,
+    shard_range,
+)
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
@@ -52,13 +59,56 @@ class Mamba2Mixer(nn.Module):
         # (start, end, multiplier) of the segments whose multiplier is not 1. Plain numbers, not
         # a buffer (the loader fills every buffer from the checkpoint), each rounded to the dtype
         # the model is built in, as transformers' mup_vector buffer is.
-        GN = cfg.n_groups * cfg.ssm_state_size
+        dtype = torch.get_default_dtype()
+        self.segment_multipliers = [torch.tensor(float(m), dtype=dtype, device="cpu").item()
+                                    for m in cfg.ssm_proj_multipliers]
+        self.proj_multipliers = self._proj_multipliers()
+
+    def _proj_multipliers(self) -> list[tuple[int, int, float]]:
+        GN = self.n_groups * self.state_size
         sizes = (self.d_inner, self.d_inner, GN, GN, self.num_heads)
         ends = [sum(sizes[:i + 1]) for i in range(5)]
-        dtype = torch.get_default_dtype()
-        self.proj_multipliers = [
-            (end - n, end, torch.tensor(float(m), dtype=dtype, device="cpu").item())
-            for n, end, m in zip(sizes, ends, cfg.ssm_proj_multipliers) if m != 1.0]
+        return [(end - n, end, m)
+                for n, end, m in zip(sizes, ends, self.segment_multipliers) if m != 1.0]
+
+    def shard(self, tp: TPGroup) -> None:
+        """Keep this rank's heads (Megatron): in_proj's z, x, dt rows and conv / A / D / dt_bias
+        / norm channels of heads [r H/tp, (r+1) H/tp); B and C of the groups those heads read
+        (split when tp divides n_groups, else the one group, replicated, when n_groups divides
+        tp); out_proj row-parallel (all-reduce). Call after the weights are loaded."""
+        if tp.tp_size == 1:
+            return
+        H, G, N, D, P = (self.num_heads, self.n_groups, self.state_size, self.d_inner,
+                         self.head_dim)
+        h0, h1 = shard_range(H, tp, "mamba_num_heads")
+        if G % tp.tp_size == 0:
+            g0, g1 = shard_range(G, tp, "n_groups")
+        elif tp.tp_size % G == 0:
+            g0 = tp.tp_rank // (tp.tp_size // G)
+            g1 = g0 + 1
+        else:
+            raise ValueError(f"n_groups ({G}) and tensor_parallel_size ({tp.tp_size}): neither "
+                             "divides the other")
+        if G < tp.tp_size and self.norm_kind != "none":
+            raise ValueError(f"n_groups ({G}) < tensor_parallel_size ({tp.tp_size}): the gated "
+                             "norm's groups would span ranks (not supported yet)")
+        ch = torch.arange(h0 * P, h1 * P)
+        bc = torch.arange(g0 * N, g1 * N)
+        GN = G * N
+        keep_rows(self.in_proj, torch.cat([ch, D + ch, 2 * D + bc, 2 * D + GN + bc,
+                                           2 * D + 2 * GN + torch.arange(h0, h1)]))
+        conv = torch.cat([ch, D + bc, D + GN + bc])
+        self.conv_weight = param_of(self.conv_weight[conv])
+        if self.conv_bias is not None:
+            self.conv_bias = param_of(self.conv_bias[conv])
+        for name in ("dt_bias", "A_log", "D"):
+            setattr(self, name, param_of(getattr(self, name)[h0:h1]))
+        if self.norm_weight is not None:
+            self.norm_weight = param_of(self.norm_weight[ch])
+        self.out_proj = RowParallelLinear(self.out_proj, h0 * P, h1 * P, tp)
+        self.num_heads, self.n_groups, self.d_inner = h1 - h0, g1 - g0, (h1 - h0) * P
+        self.conv_dim = self.d_inner + 2 * self.n_groups * N
+        self.proj_multipliers = self._proj_multipliers()
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:

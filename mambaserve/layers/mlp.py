@@ -7,6 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mambaserve.distributed.group import TPGroup
+from mambaserve.distributed.parallel_modules import (
+    RowParallelLinear,
+    keep_rows,
+    param_of,
+    shard_range,
+)
 from mambaserve.ops.activation import relu2  # one Triton pass on CUDA
 
 
@@ -15,6 +22,14 @@ class MLP(nn.Module):
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def shard(self, tp: TPGroup) -> None:
+        """up_proj column-parallel, down_proj row-parallel (all-reduce)."""
+        if tp.tp_size == 1:
+            return
+        i0, i1 = shard_range(self.up_proj.out_features, tp, "intermediate_size")
+        keep_rows(self.up_proj, torch.arange(i0, i1))
+        self.down_proj = RowParallelLinear(self.down_proj, i0, i1, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
@@ -35,6 +50,18 @@ class GatedMLP(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(2, intermediate_size)) if bias else None
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+
+    def shard(self, tp: TPGroup) -> None:
+        """gate and up column-parallel (the same rows of both halves), down_proj row-parallel
+        (all-reduce)."""
+        if tp.tp_size == 1:
+            return
+        i0, i1 = shard_range(self.intermediate_size, tp, "intermediate_size")
+        self.gate_up_weight = param_of(self.gate_up_weight[:, i0:i1])
+        if self.gate_up_bias is not None:
+            self.gate_up_bias = param_of(self.gate_up_bias[:, i0:i1])
+        self.down_proj = RowParallelLinear(self.down_proj, i0, i1, tp)
+        self.intermediate_size = i1 - i0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         I = self.intermediate_size

@@ -1,0 +1,83 @@
+"""The modules a sharded model swaps in, Megatron style, and the slicing helpers the layers'
+`shard` methods share. Column-parallel projections need no module of their own: a plain
+`nn.Linear` over the rank's rows of the weight (`keep_rows`). Row-parallel projections sum the
+ranks' partial products (`RowParallelLinear`); the embedding and the lm_head split the
+vocabulary (`VocabParallelEmbedding`, `VocabParallelLMHead`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mambaserve.distributed.group import TPGroup
+
+
+def shard_range(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
+    """[start, end) of this rank's equal share of `total`; ValueError when it does not divide."""
+    if total % tp.tp_size:
+        raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size "
+                         f"({tp.tp_size})")
+    n = total // tp.tp_size
+    return tp.tp_rank * n, (tp.tp_rank + 1) * n
+
+
+def param_of(t: torch.Tensor) -> nn.Parameter:
+    """A new parameter holding a copy of `t` (a slice of a loaded one)."""
+    with torch.no_grad():
+        return nn.Parameter(t.detach().clone(memory_format=torch.contiguous_format))
+
+
+def keep_rows(linear: nn.Linear, idx: torch.Tensor) -> None:
+    """Column parallelism: `linear` keeps only output features `idx` (weight rows and bias)."""
+    linear.weight = param_of(linear.weight[idx])
+    if linear.bias is not None:
+        linear.bias = param_of(linear.bias[idx])
+    linear.out_features = len(idx)
+
+
+class RowParallelLinear(nn.Module):
+    """The rank's input columns of a linear layer: partial products summed over the ranks
+    (all-reduce), then the bias once."""
+
+    def __init__(self, linear: nn.Linear, start: int, end: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = param_of(linear.weight[:, start:end])
+        self.bias = None if linear.bias is None else param_of(linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rank's rows [start, end) of the embedding table; ids outside them look up zeros, and
+    the all-reduce adds the one rank's row that holds each id."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.end = shard_range(embedding.num_embeddings, tp, "vocab_size")
+        self.weight = param_of(embedding.weight[self.start:self.end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.end)
+        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class VocabParallelLMHead(nn.Module):
+    """The rank's vocabulary rows of the output projection; the logits of every rank are
+    gathered, so each rank holds the full [n, vocab] logits (sampling stays rank-identical)."""
+
+    def __init__(self, weight: torch.Tensor | nn.Parameter, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = weight if isinstance(weight, nn.Parameter) else param_of(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather(F.linear(x, self.weight), dim=-1)
