@@ -77,13 +77,29 @@ def ckpt(tmp_path_factory) -> Path:
 
 def test_tp2_logits_match_one_rank(ckpt):
     outs = run_on_ranks(_rank, 2, str(ckpt), timeout_s=90)
-    for rank, out in enumerate(outs):
-        for whole, sharded in zip(out["whole"], out["sharded"]):
-            assert whole.shape == sharded.shape and whole.shape[-1] == 320
-            torch.testing.assert_close(sharded, whole, rtol=0, atol=1e-5)
-    # each rank holds its half of the heads / vocabulary, and the two halves differ
+    _assert_exact(outs)
+    # each rank holds its half of the heads / vocabulary
     s = outs[0]["sizes"]
     assert s["embeddings.weight"] == (160, 64) and s["lm_head.weight"] == (160, 64)
     assert s["layers.0.mixer.A_log"] == (4,)
     assert s["layers.0.mixer.in_proj.weight"] == (2 * 64 + 2 * 16 + 4, 64)
     assert s["layers.3.mixer.k_proj.weight"] == (16, 64)
+
+
+def test_tp4_replicates_kv_heads(tmp_path):
+    """tp 4 > num_kv_heads 2: ranks 0, 1 hold KV head 0 and ranks 2, 3 KV head 1."""
+    path = make_tiny_checkpoint(tmp_path / "ck", seed=4, n_groups=4,
+                                layers=["linear_attention", "full_attention", "mlp"])
+    outs = run_on_ranks(_rank, 4, str(path), timeout_s=120)
+    _assert_exact(outs)
+    s = outs[3]["sizes"]
+    assert s["layers.1.mixer.q_proj.weight"] == (16, 64)
+    assert s["layers.1.mixer.k_proj.weight"] == (16, 64)
+    assert s["layers.0.mixer.in_proj.weight"] == (2 * 32 + 2 * 16 + 2, 64)
+
+
+def _assert_exact(outs):
+    for out in outs:
+        for whole, sharded in zip(out["whole"], out["sharded"]):
+            assert whole.shape == sharded.shape and whole.shape[-1] == 320
+            torch.testing.assert_close(sharded, whole, rtol=0, atol=1e-5)
