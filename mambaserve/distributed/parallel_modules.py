@@ -22,6 +22,19 @@ def shard_range(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
     return tp.tp_rank * n, (tp.tp_rank + 1) * n
 
 
+def shard_or_replicate_range(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
+    """[start, end) of the `total` units (KV heads, B/C groups) this rank uses: an equal share
+    when tp divides `total`, else the one unit shared by tp / total consecutive ranks (when
+    `total` divides tp); ValueError when neither divides the other."""
+    if total % tp.tp_size == 0:
+        return shard_range(total, tp, what)
+    if tp.tp_size % total == 0:
+        unit = tp.tp_rank // (tp.tp_size // total)
+        return unit, unit + 1
+    raise ValueError(f"{what} ({total}) and tensor_parallel_size ({tp.tp_size}): neither "
+                     "divides the other")
+
+
 def param_of(t: torch.Tensor) -> nn.Parameter:
     """A new parameter holding a copy of `t` (a slice of a loaded one)."""
     with torch.no_grad():

@@ -10,7 +10,12 @@ from torch import nn
 
 from mambaserve.config import ModelConfig
 from mambaserve.distributed.group import TPGroup
-from mambaserve.distributed.parallel_modules import RowParallelLinear, keep_rows, shard_range
+from mambaserve.distributed.parallel_modules import (
+    RowParallelLinear,
+    keep_rows,
+    shard_or_replicate_range,
+    shard_range,
+)
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.paged_attention import paged_attention, write_kv
 from mambaserve.ops.rotary import apply_rotary
@@ -40,14 +45,7 @@ class Attention(nn.Module):
             return
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q0, q1 = shard_range(Hq, tp, "num_attention_heads")
-        if Hkv % tp.tp_size == 0:
-            k0, k1 = shard_range(Hkv, tp, "num_kv_heads")
-        elif tp.tp_size % Hkv == 0:
-            k0 = tp.tp_rank // (tp.tp_size // Hkv)
-            k1 = k0 + 1
-        else:
-            raise ValueError(f"num_kv_heads ({Hkv}) and tensor_parallel_size ({tp.tp_size}): "
-                             "neither divides the other")
+        k0, k1 = shard_or_replicate_range(Hkv, tp, "num_kv_heads")
         keep_rows(self.q_proj, torch.arange(q0 * D, q1 * D))
         for proj in (self.k_proj, self.v_proj):
             keep_rows(proj, torch.arange(k0 * D, k1 * D))

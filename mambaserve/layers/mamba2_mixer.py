@@ -18,6 +18,7 @@ from mambaserve.distributed.parallel_modules import (
     RowParallelLinear,
     keep_rows,
     param_of,
+    shard_or_replicate_range,
     shard_range,
 )
 from mambaserve.metadata import ForwardMetadata
@@ -81,14 +82,7 @@ class Mamba2Mixer(nn.Module):
         H, G, N, D, P = (self.num_heads, self.n_groups, self.state_size, self.d_inner,
                          self.head_dim)
         h0, h1 = shard_range(H, tp, "mamba_num_heads")
-        if G % tp.tp_size == 0:
-            g0, g1 = shard_range(G, tp, "n_groups")
-        elif tp.tp_size % G == 0:
-            g0 = tp.tp_rank // (tp.tp_size // G)
-            g1 = g0 + 1
-        else:
-            raise ValueError(f"n_groups ({G}) and tensor_parallel_size ({tp.tp_size}): neither "
-                             "divides the other")
+        g0, g1 = shard_or_replicate_range(G, tp, "n_groups")
         if G < tp.tp_size and self.norm_kind != "none":
             raise ValueError(f"n_groups ({G}) < tensor_parallel_size ({tp.tp_size}): the gated "
                              "norm's groups would span ranks (not supported yet)")
