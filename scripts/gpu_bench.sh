@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve kernels attention profile ncu audit moe moe-presets overlap
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load trace kernels attention profile ncu audit moe moe-presets overlap
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -111,6 +111,58 @@ write_config(preset_config('$PRESET'), '$dir')"
         >"$W/serve_metrics.txt" 2>&1
     kill -TERM $pid; wait $pid
     log "serve: server exit $?"
+}
+start_server() {  # start_server DIR PORT EXTRA_FLAGS...: the 9B preset server, waits for /health
+    local dir=$1 port=$2; shift 2
+    $MS serve "$dir" --device cuda --dtype bfloat16 --load-format dummy --no-enforce-eager \
+        --max-num-seqs 64 --chunked-prefill-size 8192 --max-model-len 8192 --port "$port" \
+        --log-level warning "$@" >>"$LOG" 2>&1 &
+    SERVER_PID=$!
+    for _ in $(seq 150); do
+        $PY -c "import httpx; httpx.get('http://127.0.0.1:$port/health').raise_for_status()" \
+            2>/dev/null && return 0
+        sleep 2
+    done
+    log "server on $port did not come up"
+}
+stop_server() {  # stop_server PORT NAME: save /metrics, stop the server
+    $PY -c "import httpx; print(httpx.get('http://127.0.0.1:$1/metrics').text)" \
+        >"$W/metrics_$2.txt" 2>&1
+    kill -TERM $SERVER_PID; wait $SERVER_PID
+    log "server $2: exit $?"
+}
+stage_load() {  # serving under load: closed loop vs the one-batch ideal, Poisson ITL, multi-turn
+    local dir=$W/preset           # prefix cache on vs off, the device's idle share while decoding
+    $PY -c "from mambaserve.bench.presets import preset_config, write_config; \
+write_config(preset_config('$PRESET'), '$dir')"
+    run load-ideal 240 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 8,64 --input-len 1024 --output-len 32 \
+        --engine enforce_eager=false,chunked_prefill_size=8192 --out "$W/one_batch_ideal.json"
+    start_server "$dir" 8123 ${LOAD_FLAGS:-}
+    local mt="--dataset multiturn --shared-prefix-len 2048 --num-turns 4 --input-len 128 \
+        --output-len 128 --num-prompts 128 --request-rate 2 --max-concurrency 16 --think-time 1"
+    run load-closed 240 $MS bench serve --base-url http://127.0.0.1:8123 --dataset random \
+        --input-len 1024 --output-len 256 --num-prompts 256 --max-concurrency 64 \
+        --ideal-from "$W/one_batch_ideal.json" --disable-tqdm --out "$W/load_closed.json" \
+        --plot "$W/load_closed.png"
+    run load-rate8 150 $MS bench serve --base-url http://127.0.0.1:8123 --dataset random \
+        --input-len 1024 --output-len 256 --num-prompts 200 --request-rate 8 --seed 1 \
+        --disable-tqdm --out "$W/load_rate8.json" --plot "$W/load_rate8.png"
+    run load-multiturn-off 200 $MS bench serve --base-url http://127.0.0.1:8123 $mt \
+        --disable-tqdm --out "$W/load_multiturn_off.json"
+    stop_server 8123 nocache
+    start_server "$dir" 8124 --enable-prefix-caching ${LOAD_FLAGS:-}
+    run load-multiturn-on 200 $MS bench serve --base-url http://127.0.0.1:8124 $mt \
+        --disable-tqdm --out "$W/load_multiturn_on.json"
+    stop_server 8124 cache
+    run load-profile 180 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 64 --input-len 1024 --steps 16 --engine enforce_eager=false \
+        --out "$W/profile_decode_load.json"
+}
+stage_trace() {  # every Triton compile / autotune of a one-batch sweep, and the run it fell in
+    run trace 300 $PY scripts/trace_compiles.py bench one-batch --preset ${TRACE_PRESET:-granite-4.0-h-micro} \
+        --device cuda --dtype bfloat16 --batch-size 1,8,64 --input-len 2048 --output-len 8 \
+        --engine enforce_eager=false --out "$W/trace_one_batch.json"
 }
 stage_profile() {  # where the device time of a prefill step and a decode step goes
     run profile-8x2048 240 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \

@@ -20,11 +20,13 @@ def test_upload_views_every_part_with_its_dtype_and_shape_in_one_buffer():
     assert all(t.untyped_storage().data_ptr() == base for t in out.values())
 
 
-def test_pack_aligns_every_part_to_8_bytes():
+def test_pack_aligns_every_part_to_16_bytes():
+    """Triton specializes pointers on 16-byte alignment: every view must have it whatever the
+    sizes before it, or a kernel compiles again for a new batch shape."""
     buf, offsets = pack({"x": np.array([1, 2, 3], np.int32), "y": np.array([4], np.int64),
-                         "z": np.array([True])})
-    assert offsets == {"x": 0, "y": 16, "z": 24} and buf.size == 32
-    assert buf[16:24].view(np.int64)[0] == 4
+                         "z": np.array([True]), "w": np.array([5, 6, 7], np.int64)})
+    assert offsets == {"x": 0, "y": 16, "z": 32, "w": 48} and buf.size == 80
+    assert buf[16:24].view(np.int64)[0] == 4 and buf[48:72].view(np.int64).tolist() == [5, 6, 7]
 
 
 def test_unsupported_dtype_is_named():
