@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load trace kernels attention profile ncu audit moe moe-presets overlap
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -163,6 +163,11 @@ stage_trace() {  # every Triton compile / autotune of a one-batch sweep, and the
     run trace 300 $PY scripts/trace_compiles.py bench one-batch --preset ${TRACE_PRESET:-granite-4.0-h-micro} \
         --device cuda --dtype bfloat16 --batch-size 1,8,64 --input-len 2048 --output-len 8 \
         --engine enforce_eager=false --out "$W/trace_one_batch.json"
+}
+stage_profile-mixed() {  # a decode batch of 64, then one 1024-token prompt prefilled beside it
+    run profile-mixed 240 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 64 --input-len 1024 --steps 8 --mixed-len 1024 \
+        --engine enforce_eager=false${PROFILE_ENGINE:+,$PROFILE_ENGINE} --out "$W/profile_mixed.json"
 }
 stage_profile() {  # where the device time of a prefill step and a decode step goes
     run profile-8x2048 240 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \

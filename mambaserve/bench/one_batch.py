@@ -162,6 +162,10 @@ class _MambaserveBackend:
               "max_model_len": max(c.input_lens) + c.output_len + 16,
               "load_format": load_format, "seed": c.seed,
               "async_scheduling": False,  # per-step timings of one batch: no run-ahead
+              # the whole batch prefills at full speed: no cap for decodes already running
+              # (rows that start decoding early would otherwise finish before the last one
+              # prefills, and the decode steps measured would be of a smaller batch)
+              "max_step_prefill_tokens": max(b * n for b in c.batch_sizes for n in c.input_lens),
               **c.engine}
         t0 = time.perf_counter()
         self.engine = LLMEngine(path, EngineConfig(**kw))

@@ -1,7 +1,9 @@
 """`mambaserve bench profile`: where the time of a prefill step and of a decode step goes.
 
 One batch of B prompts of L tokens runs through the engine under `torch.profiler`: first the
-prefill (every step until each prompt has its first token), then `--steps` decode steps. The
+prefill (every step until each prompt has its first token), then `--steps` decode steps, then
+(with `--mixed-len M`) the mixed steps of one new M-token prompt prefilled while the batch keeps
+decoding (the serving case: its chunks capped by `max_step_prefill_tokens`). The
 device time of every kernel is summed by name and grouped (matmul, SSD scan, conv, attention,
 norm, state update, copies, elementwise, other); the report gives each group's share of the
 step, how busy the device was during the step (busy / wall: the rest is host time the device
@@ -64,7 +66,7 @@ def group_of(name: str) -> str:
 
 @dataclass
 class PhaseProfile:
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode" or "mixed"
     steps: int  # engine steps profiled
     wall_s: float  # host wall time of those steps (synchronized)
     device_busy_s: float  # union of kernel intervals (CUDA) or summed self time (CPU)
@@ -128,8 +130,9 @@ def _phase(name: str, prof, wall: float, steps: int, device: torch.device, top: 
 
 
 def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
-                  log=print) -> list[PhaseProfile]:
-    """Profile the prefill of one batch and `decode_steps` decode steps after it."""
+                  log=print, mixed_len: int = 0) -> list[PhaseProfile]:
+    """Profile the prefill of one batch, `decode_steps` decode steps after it and, when
+    `mixed_len` > 0, the steps that prefill one more prompt of that length beside the decodes."""
     from mambaserve.bench.presets import materialize_preset
     from mambaserve.config import ModelConfig, resolve_dtype
     from mambaserve.engine.sampling_params import SamplingParams
@@ -139,9 +142,16 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
         raise ValueError("bench profile takes one batch size and one input length")
     if decode_steps < 1:
         raise ValueError("--steps must be >= 1")
+    if mixed_len < 0:
+        raise ValueError("--mixed-len must be >= 0")
     b, n = c.batch_sizes[0], c.input_lens[0]
     device, dtype = torch.device(c.device), resolve_dtype(c.dtype)
-    c.output_len = max(c.output_len, decode_steps + 2)
+    # the batch keeps decoding through the mixed phase (a prompt of M tokens takes at most M
+    # steps, one token each at the smallest cap)
+    c.output_len = max(c.output_len, decode_steps + 2 + (mixed_len + 2 if mixed_len else 0))
+    if mixed_len:
+        c.input_lens = [max(n, mixed_len)]  # the engine's max_model_len covers both
+        c.engine.setdefault("max_num_seqs", b + 1)  # room for the new prompt beside the batch
     load_format = c.engine.pop("load_format", "auto")
     tmp = None
     if c.preset:
@@ -184,6 +194,26 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
         prof, wall, steps = _profiled(decode, device)
         weight_bytes = (counts.params - counts.embedding) * dtype.itemsize
         dec = _phase("decode", prof, wall, steps, device, top, matmul_bytes=float(weight_bytes))
+        phases = [pre, dec]
+        if mixed_len:
+            new = f"m{backend.counter + 1}"
+            backend.counter += 1
+            prompt = _prompts(cfg.vocab_size, 1, mixed_len, c.seed + 7)[0]
+            eng.add_request(new, {"prompt_token_ids": prompt},
+                            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+
+            def mixed() -> int:
+                steps = 0
+                while True:
+                    outs = eng.step()
+                    steps += 1
+                    if any(o.request_id == new and o.outputs[0].token_ids for o in outs):
+                        return steps
+
+            prof, wall, steps = _profiled(mixed, device)
+            phases.append(_phase("mixed", prof, wall, steps, device, top))
+            phases[-1].notes.append(f"one {mixed_len}-token prompt prefilled beside {b} decoding "
+                                    f"rows in {steps} step(s)")
         while eng.has_unfinished_requests():
             eng.step()
         mm, cp = matmul_ceiling(device, dtype), copy_ceiling(device)
@@ -199,9 +229,9 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
                                f"= {100 * p.matmul_bytes / per_step / cp['bytes_per_s']:.0f} % "
                                f"of the {cp['bytes_per_s'] / 1e9:.0f} GB/s copy ceiling")
         log(f"profile: batch {b} x input {n} on {device} ({c.dtype}), engine {c.engine or '{}'}")
-        for p in (pre, dec):
+        for p in phases:
             log(format_phase(p))
-        return [pre, dec]
+        return phases
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -228,9 +258,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="prompts in the batch")
     p.add_argument("--input-len", type=int, default=512, help="tokens per prompt")
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled after the prefill")
+    p.add_argument("--mixed-len", type=int, default=0,
+                   help="also profile the steps that prefill one prompt of this many tokens "
+                        "while the batch decodes (0: skip)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs on the same shapes")
     p.add_argument("--top", type=int, default=15, help="kernels listed per phase")
-    p.add_argument("--out", default=None, help="write both phases as JSON")
+    p.add_argument("--out", default=None, help="write the phases as JSON")
 
 
 def run_cli(a: argparse.Namespace) -> int:
@@ -238,7 +271,7 @@ def run_cli(a: argparse.Namespace) -> int:
     c = OneBatchConfig(model=a.model, preset=a.preset, batch_sizes=[a.batch_size],
                        input_lens=[a.input_len], device=a.device, dtype=a.dtype,
                        warmup=a.warmup, seed=a.seed, engine=parse_settings(a.engine))
-    phases = profile_batch(c, decode_steps=a.steps, top=a.top)
+    phases = profile_batch(c, decode_steps=a.steps, top=a.top, mixed_len=a.mixed_len)
     if a.out:
         Path(a.out).write_text(json.dumps([asdict(p) for p in phases], indent=1))
     return 0

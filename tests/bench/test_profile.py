@@ -44,6 +44,19 @@ def test_profile_tiny_on_cpu():
     assert "prefill:" in logs[1] and "decode:" in logs[2]
 
 
+def test_profile_mixed_phase_prefills_one_prompt_beside_the_decodes():
+    """--mixed-len: one new prompt, capped at max_step_prefill_tokens per step while the batch
+    decodes, takes ceil(M / cap) steps to its first token."""
+    phases = profile_batch(OneBatchConfig(preset="tiny", batch_sizes=[2], input_lens=[16],
+                                          dtype="float32",
+                                          engine={"max_step_prefill_tokens": 8}),
+                           decode_steps=2, top=3, log=lambda *_: None, mixed_len=20)
+    assert [p.phase for p in phases] == ["prefill", "decode", "mixed"]
+    mixed = phases[2]
+    assert mixed.steps == 3 and "20-token prompt" in mixed.notes[0]
+    assert mixed.groups["matmul"] > 0
+
+
 def test_profile_cli_writes_json_and_rejects_bad_input(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["bench", "profile", "--preset", "tiny", "--dtype", "float32", "--batch-size",
