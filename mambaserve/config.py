@@ -240,7 +240,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # prefill tokens of one step while decodes run (the ITL / TTFT trade-off in
     # docs/architecture.md); steps without decodes take up to chunked_prefill_size
-    max_step_prefill_tokens: int = 512
+    max_step_prefill_tokens: int = 2048
 
     def validate(self) -> None:
         """Raise a one-line ValueError naming the first bad field ("<field> must be ...")."""

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -158,6 +158,26 @@ write_config(preset_config('$PRESET'), '$dir')"
     run load-profile 180 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
         --batch-size 64 --input-len 1024 --steps 16 --engine enforce_eager=false \
         --out "$W/profile_decode_load.json"
+}
+stage_load-sweep() {  # closed loop and Poisson 8 req/s at each prefill cap (LOAD_CAPS)
+    local dir=$W/preset port=8130
+    $PY -c "from mambaserve.bench.presets import preset_config, write_config; \
+write_config(preset_config('$PRESET'), '$dir')"
+    [ -f "$W/one_batch_ideal.json" ] || run load-ideal 240 $MS bench one-batch --preset $PRESET \
+        --device cuda --dtype bfloat16 --batch-size 8,64 --input-len 1024 --output-len 32 \
+        --engine enforce_eager=false,chunked_prefill_size=8192 --out "$W/one_batch_ideal.json"
+    for cap in ${LOAD_CAPS:-256 1024 2048}; do
+        port=$((port + 1))
+        start_server "$dir" $port --max-step-prefill-tokens $cap
+        run "sweep-closed-$cap" 120 $MS bench serve --base-url http://127.0.0.1:$port \
+            --dataset random --input-len 1024 --output-len 256 --num-prompts 128 \
+            --max-concurrency 64 --ideal-from "$W/one_batch_ideal.json" --disable-tqdm \
+            --out "$W/sweep_closed_$cap.json" --plot "$W/sweep_closed_$cap.png"
+        run "sweep-rate8-$cap" 90 $MS bench serve --base-url http://127.0.0.1:$port \
+            --dataset random --input-len 1024 --output-len 256 --num-prompts 120 --request-rate 8 \
+            --seed 1 --disable-tqdm --out "$W/sweep_rate8_$cap.json" --plot "$W/sweep_rate8_$cap.png"
+        stop_server $port "cap$cap"
+    done
 }
 stage_trace() {  # every Triton compile / autotune of a one-batch sweep, and the run it fell in
     run trace 300 $PY scripts/trace_compiles.py bench one-batch --preset ${TRACE_PRESET:-granite-4.0-h-micro} \
