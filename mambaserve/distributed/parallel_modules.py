@@ -2,7 +2,9 @@
 `shard` methods share. Column-parallel projections need no module of their own: a plain
 `nn.Linear` over the rank's rows of the weight (`keep_rows`). Row-parallel projections sum the
 ranks' partial products (`RowParallelLinear`); the embedding and the lm_head split the
-vocabulary (`VocabParallelEmbedding`, `VocabParallelLMHead`)."""
+vocabulary (`VocabParallelEmbedding`, `VocabParallelLMHead`), padded with zero rows to a multiple
+of tp when tp does not divide it (`vocab_shard`); the padded logits are dropped after the
+all-gather, so callers see exactly vocab_size columns."""
 
 from __future__ import annotations
 
@@ -51,28 +53,50 @@ def keep_rows(linear: nn.Linear, idx: torch.Tensor) -> None:
 
 class RowParallelLinear(nn.Module):
     """The rank's input columns of a linear layer: partial products summed over the ranks
-    (all-reduce), then the bias once."""
+    (all-reduce), then the bias once. `reduce=False`: the output is this rank's partial sum, the
+    bias added on rank 0 only, for a caller that adds other partials before one all-reduce (the
+    MoE block)."""
 
-    def __init__(self, linear: nn.Linear, start: int, end: int, tp: TPGroup) -> None:
+    def __init__(self, linear: nn.Linear, start: int, end: int, tp: TPGroup,
+                 reduce: bool = True) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
         self.weight = param_of(linear.weight[:, start:end])
         self.bias = None if linear.bias is None else param_of(linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        if not self.reduce:
+            return out + self.bias if self.bias is not None and self.tp.tp_rank == 0 else out
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 
+def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, int, int]:
+    """(this rank's rows of a [vocab, hidden] matrix, padded with zero rows to ceil(vocab / tp),
+    start, end): the vocabulary padded to a multiple of tp and split evenly; the rank holds the
+    real ids [start, end) (end - start may be less than its rows, or 0)."""
+    vocab = weight.shape[0]
+    per_rank = -(-vocab // tp.tp_size)
+    start = min(tp.tp_rank * per_rank, vocab)
+    end = min(start + per_rank, vocab)
+    with torch.no_grad():
+        rows = weight.new_zeros(per_rank, weight.shape[1])
+        rows[:end - start] = weight[start:end]
+    return rows, start, end
+
+
 class VocabParallelEmbedding(nn.Module):
-    """The rank's rows [start, end) of the embedding table; ids outside them look up zeros, and
-    the all-reduce adds the one rank's row that holds each id."""
+    """The rank's rows [start, end) of the embedding table (`vocab_shard`: zero rows pad the
+    last ranks' tables); ids outside them look up zeros, and the all-reduce adds the one rank's
+    row that holds each id."""
 
     def __init__(self, embedding: nn.Embedding, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
-        self.start, self.end = shard_range(embedding.num_embeddings, tp, "vocab_size")
-        self.weight = param_of(embedding.weight[self.start:self.end])
+        self.vocab_size = embedding.num_embeddings
+        rows, self.start, self.end = vocab_shard(embedding.weight, tp)
+        self.weight = param_of(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.tp_size == 1:
@@ -84,13 +108,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """The rank's vocabulary rows of the output projection; the logits of every rank are
-    gathered, so each rank holds the full [n, vocab] logits (sampling stays rank-identical)."""
+    """The rank's vocabulary rows of the output projection (`vocab_shard`'s padded rows); the
+    logits of every rank are gathered and the padding columns dropped, so each rank holds the
+    full [n, vocab_size] logits (sampling stays rank-identical)."""
 
-    def __init__(self, weight: torch.Tensor | nn.Parameter, tp: TPGroup) -> None:
+    def __init__(self, weight: torch.Tensor | nn.Parameter, tp: TPGroup, vocab_size: int) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.vocab_size = tp, vocab_size
         self.weight = weight if isinstance(weight, nn.Parameter) else param_of(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(F.linear(x, self.weight), dim=-1)
+        logits = self.tp.all_gather(F.linear(x, self.weight), dim=-1)
+        if logits.shape[-1] == self.vocab_size:
+            return logits
+        return logits[..., :self.vocab_size].contiguous()  # the padding ids' columns dropped

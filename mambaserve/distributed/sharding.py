@@ -1,27 +1,28 @@
-"""Shard a loaded model for tensor parallelism, in place: each Mamba2 mixer, attention and MLP
-keeps this rank's heads / channels (their `shard` methods), the embedding and the lm_head their
-vocabulary rows. MoE layers stay replicated: every rank computes the whole MoE, which gives the
-same output on every rank with no communication (expert parallelism is the next step). Works on
-every model of the engine (NemotronH's blocks and the shared hybrid decoder)."""
+"""Shard a loaded model for tensor parallelism, in place: each Mamba2 mixer, attention, MLP and
+MoE block keeps this rank's heads / channels (their `shard` methods), the embedding and the
+lm_head their vocabulary rows (padded to a multiple of tp). Works on every model of the engine
+(NemotronH's blocks and the shared hybrid decoder)."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from mambaserve.distributed.group import TPGroup
-from mambaserve.distributed.parallel_modules import VocabParallelEmbedding, VocabParallelLMHead
+from mambaserve.distributed.parallel_modules import (
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    vocab_shard,
+)
 from mambaserve.layers.attention import Attention
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.moe import MoE
 
-SHARDED = (Mamba2Mixer, Attention, MLP, GatedMLP)
+SHARDED = (Mamba2Mixer, Attention, MLP, GatedMLP, MoE)
 
 
 def _shardable(module: nn.Module) -> list[nn.Module]:
-    """The sharded layers under `module`, not descending into MoE (replicated)."""
-    if isinstance(module, MoE):
-        return []
+    """The outermost sharded layers under `module` (an MoE shards its own shared expert)."""
     if isinstance(module, SHARDED):
         return [module]
     return [m for child in module.children() for m in _shardable(child)]
@@ -35,12 +36,10 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
     embed_name = next(n for n, m in model.named_children() if isinstance(m, nn.Embedding))
     embedding = getattr(model, embed_name)
     tied = model.lm_head.weight is embedding.weight
-    vocab = VocabParallelEmbedding(embedding, tp)  # checks vocab_size divides first
     for layer in _shardable(model.layers):
         layer.shard(tp)
+    vocab = VocabParallelEmbedding(embedding, tp)
     setattr(model, embed_name, vocab)
-    if tied:
-        model.lm_head = VocabParallelLMHead(vocab.weight, tp)
-    else:
-        model.lm_head = VocabParallelLMHead(model.lm_head.weight[vocab.start:vocab.end], tp)
+    head = vocab.weight if tied else vocab_shard(model.lm_head.weight, tp)[0]
+    model.lm_head = VocabParallelLMHead(head, tp, vocab.vocab_size)
     return model

@@ -23,7 +23,7 @@ from mambaserve.distributed.parallel_modules import (
 )
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
+from mambaserve.ops.gated_rmsnorm import NormSpan, gated_rmsnorm, gated_rmsnorm_ref
 from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 from mambaserve.ops.state_snapshot import (
@@ -55,6 +55,8 @@ class Mamba2Mixer(nn.Module):
         # the gated norm multiplies by its weight in float32 before the one cast back
         # (Falcon-H1's FalconH1RMSNormGated); False: cast, then weight
         self.norm_weight_fp32 = cfg.mamba_norm_weight_fp32
+        # set by `shard` when this rank's channels are part of a norm group spanning ranks
+        self.norm_span: NormSpan | None = None
         self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_out_proj_bias)
         # in_proj output multipliers per segment (z, x, B, C, dt), not in the checkpoint:
         # (start, end, multiplier) of the segments whose multiplier is not 1. Plain numbers, not
@@ -76,16 +78,16 @@ class Mamba2Mixer(nn.Module):
         """Keep this rank's heads (Megatron): in_proj's z, x, dt rows and conv / A / D / dt_bias
         / norm channels of heads [r H/tp, (r+1) H/tp); B and C of the groups those heads read
         (split when tp divides n_groups, else the one group, replicated, when n_groups divides
-        tp); out_proj row-parallel (all-reduce). Call after the weights are loaded."""
+        tp); out_proj row-parallel (all-reduce). The gated norm stays local when tp divides
+        n_groups; else this rank's channels are part of one norm group shared by tp / n_groups
+        ranks, whose sum of squares is all-reduced (`NormSpan`, the torch path). Call after the
+        weights are loaded."""
         if tp.tp_size == 1:
             return
         H, G, N, D, P = (self.num_heads, self.n_groups, self.state_size, self.d_inner,
                          self.head_dim)
         h0, h1 = shard_range(H, tp, "mamba_num_heads")
         g0, g1 = shard_or_replicate_range(G, tp, "n_groups")
-        if G < tp.tp_size and self.norm_kind != "none":
-            raise ValueError(f"n_groups ({G}) < tensor_parallel_size ({tp.tp_size}): the gated "
-                             "norm's groups would span ranks (not supported yet)")
         ch = torch.arange(h0 * P, h1 * P)
         bc = torch.arange(g0 * N, g1 * N)
         GN = G * N
@@ -100,6 +102,8 @@ class Mamba2Mixer(nn.Module):
         if self.norm_weight is not None:
             self.norm_weight = param_of(self.norm_weight[ch])
         self.out_proj = RowParallelLinear(self.out_proj, h0 * P, h1 * P, tp)
+        if G < tp.tp_size:  # norm group g0 spans tp / G ranks: its sum of squares is all-reduced
+            self.norm_span = NormSpan(D // G, g0, G, tp.all_reduce)
         self.num_heads, self.n_groups, self.d_inner = h1 - h0, g1 - g0, (h1 - h0) * P
         self.conv_dim = self.d_inner + 2 * self.n_groups * N
         self.proj_multipliers = self._proj_multipliers()
@@ -160,21 +164,14 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self._gated_norm(y.reshape(T, self.d_inner), z))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        group = self.d_inner // self.n_groups
-        if self.norm_kind == "gate_then_norm" and not self.norm_weight_fp32:
-            return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps)
         if self.norm_kind == "none":  # Falcon-H1 without the norm: silu in the model dtype
             return (y.float() * F.silu(z)).to(y.dtype)
-        # Falcon-H1's FalconH1RMSNormGated: w * norm(y * silu(z)) or (w * norm(y)) * silu(z),
-        # float32 throughout, the weight multiply before the one cast back
-        T = y.shape[0]
-        gate = F.silu(z.float())
-        h = y.float()
-        if self.norm_kind == "gate_then_norm":
-            h = h * gate
-        h = h.view(T, self.n_groups, group)
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps)).view(T, -1)
-        h = self.norm_weight.float() * h
-        if self.norm_kind == "norm_then_gate":
-            h = h * gate
-        return h.to(y.dtype)
+        group = self.d_inner // self.n_groups
+        gate_first = self.norm_kind == "gate_then_norm"
+        if gate_first and not self.norm_weight_fp32 and self.norm_span is None:
+            return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps)  # Triton on CUDA
+        # Falcon-H1's FalconH1RMSNormGated (float32 throughout, the weight multiply before the
+        # one cast back), or a norm group spanning tensor-parallel ranks: the torch path
+        return gated_rmsnorm_ref(y, z, self.norm_weight, group, self.norm_eps,
+                                 norm_before_gate=not gate_first,
+                                 weight_fp32=self.norm_weight_fp32, span=self.norm_span)

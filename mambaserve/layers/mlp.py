@@ -23,13 +23,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def shard(self, tp: TPGroup) -> None:
-        """up_proj column-parallel, down_proj row-parallel (all-reduce)."""
+    def shard(self, tp: TPGroup, reduce: bool = True, what: str = "intermediate_size") -> None:
+        """up_proj column-parallel, down_proj row-parallel (all-reduce; `reduce=False`: the
+        output is this rank's partial sum, the caller all-reduces). `what` names the size in
+        errors."""
         if tp.tp_size == 1:
             return
-        i0, i1 = shard_range(self.up_proj.out_features, tp, "intermediate_size")
+        i0, i1 = shard_range(self.up_proj.out_features, tp, what)
         keep_rows(self.up_proj, torch.arange(i0, i1))
-        self.down_proj = RowParallelLinear(self.down_proj, i0, i1, tp)
+        self.down_proj = RowParallelLinear(self.down_proj, i0, i1, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
@@ -51,16 +53,17 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
 
-    def shard(self, tp: TPGroup) -> None:
+    def shard(self, tp: TPGroup, reduce: bool = True, what: str = "intermediate_size") -> None:
         """gate and up column-parallel (the same rows of both halves), down_proj row-parallel
-        (all-reduce)."""
+        (all-reduce; `reduce=False`: the output is this rank's partial sum, the caller
+        all-reduces; down_multiplier is linear, so it applies to the partials)."""
         if tp.tp_size == 1:
             return
-        i0, i1 = shard_range(self.intermediate_size, tp, "intermediate_size")
+        i0, i1 = shard_range(self.intermediate_size, tp, what)
         self.gate_up_weight = param_of(self.gate_up_weight[:, i0:i1])
         if self.gate_up_bias is not None:
             self.gate_up_bias = param_of(self.gate_up_bias[:, i0:i1])
-        self.down_proj = RowParallelLinear(self.down_proj, i0, i1, tp)
+        self.down_proj = RowParallelLinear(self.down_proj, i0, i1, tp, reduce)
         self.intermediate_size = i1 - i0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

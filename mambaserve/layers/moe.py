@@ -16,6 +16,12 @@
 The routed experts run through `ops.moe_experts`: sparse grouped GEMMs over the routed
 (token, expert) pairs on CUDA, the dense reference (every expert over every token, weighted by the
 mostly-zero routing matrix) elsewhere. Both are sync-free and capturable in a CUDA graph.
+
+Tensor parallelism (`shard`) splits every expert, not the set of experts: each rank keeps the
+same columns [r I/tp, (r+1) I/tp) of every expert's intermediate size (and of the shared expert's),
+runs the replicated router and `moe_experts` unchanged on the smaller experts, and the partial
+outputs of the routed and shared experts are added before one all-reduce per layer
+(docs/tensor_parallel.md says why not expert parallelism).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.config import ModelConfig
+from mambaserve.distributed.group import TPGroup
+from mambaserve.distributed.parallel_modules import param_of, shard_range
 from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.ops.moe_experts import moe_experts
 
@@ -92,6 +100,7 @@ class MoE(nn.Module):
             raise ValueError(f"unknown moe_router {cfg.moe_router!r}; use one of "
                              f"{', '.join(MOE_ROUTERS)}")
         self.swiglu = cfg.moe_router == "softmax_topk"
+        self.tp = TPGroup.single()  # the group whose partial outputs `forward` all-reduces
         if self.swiglu:
             self.router = SoftmaxTopkRouter(cfg)
             # [gate | up] of each expert stacked as in the checkpoint: [E, 2I, H], gate first
@@ -105,6 +114,24 @@ class MoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(E, H, I))
         self.shared_experts = MLP(H, S, bias=cfg.mlp_bias)
 
+    def shard(self, tp: TPGroup) -> None:
+        """Per-expert tensor parallelism: every expert keeps intermediate columns
+        [r I/tp, (r+1) I/tp) (for SwiGLU, the same columns of its gate and its up half); the
+        shared expert is column / row split without its own all-reduce; the router stays whole
+        (replicated, the same routing on every rank). `forward` all-reduces once."""
+        if tp.tp_size == 1:
+            return
+        I = self.experts_down.shape[-1]
+        i0, i1 = shard_range(I, tp, "moe_intermediate_size")
+        if self.swiglu:
+            rows = torch.cat([torch.arange(i0, i1), I + torch.arange(i0, i1)])
+            self.experts_gate_up = param_of(self.experts_gate_up[:, rows])
+        else:
+            self.experts_up = param_of(self.experts_up[:, i0:i1])
+        self.experts_down = param_of(self.experts_down[:, :, i0:i1])
+        self.shared_experts.shard(tp, reduce=False, what="moe_shared_expert_intermediate_size")
+        self.tp = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             ids, weights = self.router(x)
@@ -113,4 +140,5 @@ class MoE(nn.Module):
             ids, weights = self.gate(x)
             w_in, activation = self.experts_up, "relu2"
         routed = moe_experts(x, w_in, self.experts_down, ids, weights, activation)
-        return routed.to(x.dtype) + self.shared_experts(x)
+        # sharded: both terms are this rank's partial sums, added before the one all-reduce
+        return self.tp.all_reduce(routed.to(x.dtype) + self.shared_experts(x))

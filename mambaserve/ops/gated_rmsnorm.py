@@ -1,11 +1,34 @@
-"""Grouped gated RMSNorm of the Mamba2 mixer: w * rmsnorm_per_group(y * silu(z))."""
+"""Grouped gated RMSNorm of the Mamba2 mixer: w * rmsnorm_per_group(y * silu(z)).
+
+`gated_rmsnorm` is the op the mixer runs (its Triton kernel on CUDA, else the reference).
+`gated_rmsnorm_ref` is the torch reference, and also the path of two cases the kernel does not
+cover: Falcon-H1's variants (the weight multiplied in float32, and the norm before the gate), and
+tensor parallelism with fewer norm groups than ranks, where one group's channels lie on several
+ranks (`NormSpan`): each rank sums the squares of its channels and an all-reduce completes the
+group's sum before the division.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from mambaserve.ops.dispatch import kernel_path
+
+
+@dataclass(frozen=True)
+class NormSpan:
+    """This rank's channels are one part of norm group `index` (of `num_groups`), which has
+    `group_size` channels over all the ranks sharing it; `all_reduce` sums a tensor over the
+    tensor-parallel ranks, in place."""
+
+    group_size: int
+    index: int
+    num_groups: int
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
 def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
@@ -21,9 +44,36 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_
     return gated_rmsnorm_ref(y, z, weight, group_size, eps)
 
 
-def gated_rmsnorm_ref(y, z, weight, group_size, eps):
-    T, Dm = y.shape
-    h = y.float() * F.silu(z.float())
-    h = h.view(T, Dm // group_size, group_size)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.view(T, Dm).to(y.dtype)
+def gated_rmsnorm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                      eps: float, norm_before_gate: bool = False, weight_fp32: bool = False,
+                      span: NormSpan | None = None) -> torch.Tensor:
+    """The torch reference, [T, D] in y.dtype. Default: w * rmsnorm(y * silu(z)) with the weight
+    multiply after the cast (`gated_rmsnorm`'s contract). `weight_fp32`: the weight multiply in
+    float32 before the one cast (Falcon-H1); `norm_before_gate`: w * rmsnorm(y) * silu(z), also
+    weighted in float32. `span`: the D channels are part of one group spanning several ranks
+    (then `group_size` is ignored; `span.group_size` is the whole group's)."""
+    gate = F.silu(z.float())
+    h = y.float() if norm_before_gate else y.float() * gate
+    h = _normalize(h, group_size, eps, span)
+    if not (weight_fp32 or norm_before_gate):
+        return weight * h.to(y.dtype)
+    h = weight.float() * h
+    if norm_before_gate:
+        h = h * gate
+    return h.to(y.dtype)
+
+
+def _normalize(h: torch.Tensor, group_size: int, eps: float,
+               span: NormSpan | None) -> torch.Tensor:
+    """h [T, D] float32 scaled by rsqrt(mean square of its group + eps)."""
+    T, D = h.shape
+    if span is None:
+        g = h.view(T, D // group_size, group_size)
+        return (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).view(T, D)
+    # every rank writes its partial sum of squares in its group's column; the all-reduce adds
+    # the partials of the ranks sharing each group (other columns are never read)
+    sums = torch.zeros(T, span.num_groups, dtype=torch.float32, device=h.device)
+    sums[:, span.index] = h.pow(2).sum(-1)
+    span.all_reduce(sums)
+    mean_square = sums[:, span.index:span.index + 1] / span.group_size
+    return h * torch.rsqrt(mean_square + eps)

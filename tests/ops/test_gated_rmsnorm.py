@@ -1,4 +1,5 @@
-"""gated_rmsnorm vs a float64 group-by-group formula (tests/ops/naive.py)."""
+"""gated_rmsnorm vs a float64 group-by-group formula (tests/ops/naive.py); the reference's norm
+over a group that spans tensor-parallel ranks (`NormSpan`) vs the whole group's."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from naive import gen, naive_gated_rmsnorm, randn
 
-from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
+from mambaserve.ops.gated_rmsnorm import NormSpan, gated_rmsnorm, gated_rmsnorm_ref
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 DIM = 24
@@ -63,3 +64,33 @@ def test_bf16_keeps_dtype():
     ref = w * naive_gated_rmsnorm(y, z, torch.ones(DIM), 12, 1e-5).bfloat16()
     # bf16 has 8 mantissa bits: one rounding of the f32-vs-f64 result may flip the last bit
     torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-2)
+
+
+# the channels of 2 groups split over 4 simulated ranks; each rank's call gets an all-reduce that
+# sums what the 4 ranks' calls put in (captured in a first pass); every variant of the reference
+SPAN_T, SPAN_D, GROUPS, RANKS = 5, 64, 2, 4
+
+
+@pytest.mark.parametrize("variant", [{}, {"weight_fp32": True}, {"norm_before_gate": True}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_span_equals_whole_group(variant, dtype):
+    g = torch.Generator().manual_seed(0)
+    y, z = (torch.randn(SPAN_T, SPAN_D, generator=g).to(dtype) for _ in range(2))
+    w = (0.5 + torch.rand(SPAN_D, generator=g)).to(dtype)
+    whole = gated_rmsnorm_ref(y, z, w, SPAN_D // GROUPS, 1e-5, **variant)
+    part = SPAN_D // RANKS
+
+    def run(r, all_reduce):
+        cols = slice(r * part, (r + 1) * part)
+        span = NormSpan(SPAN_D // GROUPS, r // (RANKS // GROUPS), GROUPS, all_reduce)
+        return gated_rmsnorm_ref(y[:, cols], z[:, cols], w[cols], part, 1e-5, span=span,
+                                 **variant)
+
+    sent = []
+    for r in range(RANKS):  # pass 1: what each rank contributes to the all-reduce
+        run(r, lambda t: sent.append(t.clone()) or t)
+    total = torch.stack(sent).sum(0)
+    out = torch.cat([run(r, lambda t: t.copy_(total)) for r in range(RANKS)], dim=-1)
+    assert out.dtype == dtype
+    tol = 0 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), whole.float(), rtol=tol, atol=1e-6 + tol)
