@@ -134,3 +134,50 @@ def test_exclusions_can_be_overridden(source):
     assert "lm_head" not in names
     everything = LLM(source, quantization="fp8", quantization_exclude="")
     assert isinstance(everything.engine.model.lm_head, Fp8Linear)
+
+
+@pytest.mark.parametrize("how", ["online", "modelopt"])
+def test_zero_host_syncs_with_fp8(source, how, tmp_path):
+    from mambaserve.config import EngineConfig
+    from mambaserve.engine.llm_engine import LLMEngine
+    from mambaserve.tools.audit_scenarios import format_report, run_scenarios
+
+    path, kw = source, {"quantization": "fp8"}
+    if how == "modelopt":  # static input scales
+        path, kw = tmp_path / "fp8", {}
+        write_fp8_checkpoint(source, path, "modelopt", CALIB)
+    engine = LLMEngine(path, EngineConfig(chunked_prefill_size=16, max_num_seqs=4, **kw))
+    assert any(isinstance(m, Fp8Linear) for m in engine.model.modules())
+    results = run_scenarios(engine)
+    for r in results.values():
+        assert r.forwards > 0 and r.forward_syncs == 0 and r.sampler_syncs == 0, \
+            format_report(results)
+
+
+def _rewrite_quant(path, update):
+    cfg = json.loads((path / "config.json").read_text())
+    update(cfg["quantization_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("fmt,update,message", [
+    ("modelopt", lambda q: q["quantization"].update(quant_algo="NVFP4"),
+     "unsupported ModelOpt quant_algo 'NVFP4'"),
+    ("modelopt", lambda q: q.update(quant_method="awq"), "unsupported quantization method 'awq'"),
+    ("compressed-tensors", lambda q: q["config_groups"]["group_0"].update(input_activations=None),
+     "weight-only FP8"),
+    ("compressed-tensors", lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4),
+     "must be 8-bit float"),
+])
+def test_unsupported_quantization_configs_fail_clearly(source, tmp_path, fmt, update, message):
+    dst = tmp_path / "fp8"
+    write_fp8_checkpoint(source, dst, fmt, CALIB)
+    _rewrite_quant(dst, update)
+    with pytest.raises(ValueError, match=message) as err:
+        LLM(dst)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_online_quantization_is_refused(source):
+    with pytest.raises(ValueError, match="quantization must be fp8 or unset"):
+        LLM(source, quantization="int4")
