@@ -58,11 +58,11 @@ def main(argv=None) -> int:
         for M in (int(m) for m in a.m.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_fp8(x)
-            t_bf16 = graph_time_us(lambda: x @ w.t())
-            t_fp8 = graph_time_us(lambda: fp8_linear(x, wq, ws))
-            t_mm = graph_time_us(lambda: torch._scaled_mm(
+            t_bf16 = graph_time_us(lambda x=x, w=w: x @ w.t())
+            t_fp8 = graph_time_us(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
+            t_mm = graph_time_us(lambda xq=xq, xs=xs, wq=wq, ws=ws: torch._scaled_mm(
                 xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16))
-            t_q = graph_time_us(lambda: quantize_fp8(x))
+            t_q = graph_time_us(lambda x=x: quantize_fp8(x))
             rows.append(dict(op=name, M=M, K=K, N=N, bf16_us=t_bf16, fp8_linear_us=t_fp8,
                              scaled_mm_us=t_mm, act_quant_us=t_q,
                              speedup=t_bf16 / t_fp8,

@@ -99,8 +99,8 @@ def test_on_the_fly_equals_the_saved_compressed_tensors_checkpoint(source, tmp_p
     a = dict(online.engine.model.named_parameters())
     b = dict(saved.engine.model.named_parameters())
     assert a.keys() == b.keys()
-    for n in a:
-        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    for n, p in a.items():
+        assert p.dtype == b[n].dtype and torch.equal(p, b[n]), n
     assert torch.equal(prompt_logprobs(online, PROMPT), prompt_logprobs(saved, PROMPT))
 
 
