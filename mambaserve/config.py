@@ -241,6 +241,12 @@ class EngineConfig:
     # prefill tokens of one step while decodes run (the ITL / TTFT trade-off in
     # docs/architecture.md); steps without decodes take up to chunked_prefill_size
     max_step_prefill_tokens: int = 2048
+    # on-the-fly weight quantization after loading a bf16 / fp32 checkpoint: None or "fp8"
+    # (docs/quantization.md); an FP8 checkpoint loads as FP8 whatever this says
+    quantization: str | None = None
+    # module-name patterns (fnmatch, comma-separated) on-the-fly FP8 leaves in the model dtype;
+    # None: attention projections and lm_head, as NVIDIA's FP8 NemotronH checkpoint
+    quantization_exclude: str | None = None
 
     def validate(self) -> None:
         """Raise a one-line ValueError naming the first bad field ("<field> must be ...")."""
@@ -275,6 +281,8 @@ class EngineConfig:
               f"must be >= 1, got {self.max_step_prefill_tokens}")
         check(self.load_format in ("auto", "dummy"), "load_format",
               f"must be auto or dummy, got {self.load_format!r}")
+        check(self.quantization in (None, "fp8"), "quantization",
+              f"must be fp8 or unset, got {self.quantization!r}")
 
     # ---- command line ----------------------------------------------------------------------
     @classmethod
@@ -365,4 +373,12 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
         type=int, help="prefill tokens per step while decodes run: lower keeps inter-token "
                        "latency flat, higher gives a new request its first token sooner "
                        "(default: %(default)s)")),
+    "quantization": ("--quantization", dict(
+        choices=["fp8"], help="quantize the linear projections to FP8 after loading a bf16 / "
+                              "fp32 checkpoint (per-channel weight scales, per-token "
+                              "activation scales; docs/quantization.md); FP8 checkpoints load "
+                              "as FP8 without it")),
+    "quantization_exclude": ("--quantization-exclude", dict(
+        help="comma-separated module-name patterns --quantization fp8 leaves unquantized "
+             "(default: lm_head,*.q_proj,*.k_proj,*.v_proj,*.o_proj)")),
 }

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -235,6 +235,23 @@ stage_moe-presets() {  # one batch at the MoE presets (FLOPs and bytes on active
             --batch-size 1,8,64 --input-len 2048 --output-len 24 \
             --engine enforce_eager=false,chunked_prefill_size=16384 --out "$W/one_batch_$p.json"
     done
+}
+stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch FP8 vs bf16, drift
+    run fp8-tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_fp8_matmul.py \
+        tests/layers/test_fp8_linear.py
+    run fp8-audit 120 $MS audit-syncs --device cuda --dtype bfloat16 --quantization fp8
+    run fp8-gemm 200 $PY scripts/fp8_gemm_bench.py --out "$W/fp8_gemm.json"
+    for q in bf16 fp8; do
+        local eng="enforce_eager=false,chunked_prefill_size=16384"
+        [ $q = fp8 ] && eng="$eng,quantization=fp8"
+        run "one-batch-$q" 300 $MS bench one-batch --preset $PRESET --device cuda \
+            --dtype bfloat16 --batch-size 1,8,64 --input-len 2048 --output-len 24 \
+            --engine "$eng" --out "$W/one_batch_$q.json"
+    done
+    run fp8-drift-9b 300 $PY scripts/fp8_drift.py --preset $PRESET --device cuda \
+        --dtype bfloat16 --tokens 2048 --out "$W/fp8_drift_9b.json"
+    run fp8-drift-demo 120 $PY scripts/fp8_drift.py --model mambaserve/assets/demo_model \
+        --device cuda --dtype bfloat16 --tokens 2048 --out "$W/fp8_drift_demo.json"
 }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$LOG"

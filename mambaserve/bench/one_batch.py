@@ -30,6 +30,7 @@ from mambaserve.bench.roofline import (
     ModelCounts,
     copy_ceiling,
     decode_step_bytes,
+    decode_weight_bytes,
     matmul_ceiling,
     prefill_flops,
 )
@@ -143,6 +144,7 @@ class OneBatchResult:
     copy_ceiling_bytes_per_s: float
     load_s: float = 0.0
     active_params: float = 0.0  # parameters a token multiplies (MoE: its k experts, not all E)
+    fp8_params: int = 0  # weights stored as float8 (1 byte each in the decode floor)
     note: str = ""
     error: str = ""
 
@@ -172,6 +174,8 @@ class _MambaserveBackend:
         self.load_s = time.perf_counter() - t0
         self.device = self.engine.device
         self.cfg = self.engine.model_config
+        self.fp8_params = sum(p.numel() for p in self.engine.model.parameters()
+                              if p.dtype == torch.float8_e4m3fn)
         self.counter = 0
 
     def run(self, b: int, n: int, out_len: int, seed: int) -> tuple[float, list[float]]:
@@ -302,7 +306,8 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                         torch.cuda.empty_cache()
                 flops = prefill_flops(mcfg, counts, b, n)
                 step = statistics.median(steps) if steps else float("nan")
-                weight_bytes = int(counts.decode_weights(mcfg, b) * dtype.itemsize)
+                fp8 = getattr(backend, "fp8_params", 0)
+                weight_bytes = decode_weight_bytes(counts, mcfg, b, dtype, fp8)
                 step_bytes = decode_step_bytes(mcfg, weight_bytes, b, n + c.output_len // 2,
                                                dtype, ssm_dtype)
                 bw = step_bytes / step if steps else float("nan")
@@ -318,7 +323,7 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                     decode_bandwidth_fraction=bw / cp["bytes_per_s"],
                     matmul_ceiling_flops=mm["flops"], copy_ceiling_bytes_per_s=cp["bytes_per_s"],
                     load_s=backend.load_s, active_params=counts.per_token + counts.lm_head,
-                    note=note, error=error)
+                    fp8_params=fp8, note=note, error=error)
                 log(format_result(r))
                 results.append(r)
     finally:
@@ -335,7 +340,8 @@ def format_result(r: OneBatchResult) -> str:
     active = (f" ({_count(int(r.active_params))} active per token)"
               if r.active_params and r.active_params < 0.9 * r.params else "")
     head = (f"backend {r.backend} on {r.device} ({r.dtype}), {_count(r.params)} params{active}, "
-            f"batch {r.batch_size} x input {r.input_len}, output {r.output_len}")
+            f"batch {r.batch_size} x input {r.input_len}, output {r.output_len}"
+            + (f", FP8 weights {_count(r.fp8_params)}" if r.fp8_params else ""))
     if r.error:
         return f"{head}\nerror: {r.error}"
     lines = [head, (

@@ -97,6 +97,16 @@ class ModelCounts:
         return dense + self.experts * (1.0 - (1.0 - k / E) ** batch_size)
 
 
+def decode_weight_bytes(counts: ModelCounts, cfg, batch_size: int, dtype: torch.dtype,
+                        fp8_params: int = 0) -> int:
+    """Bytes of the weights a decode step reads: `decode_weights` at dtype's size, except the
+    `fp8_params` stored as float8 (1 byte each; routed experts are never FP8, so the MoE union
+    estimate applies to model-dtype weights only). FP8 scales (4 bytes per output row) are
+    left out: under 0.1 % of the FP8 bytes at the 9B shapes."""
+    return int((counts.decode_weights(cfg, batch_size) - fp8_params) * dtype.itemsize
+               + fp8_params)
+
+
 def prefill_flops(cfg, counts: ModelCounts, batch_size: int, input_len: int) -> float:
     """Model FLOPs of prefilling B prompts of L tokens, no cache: 2 per weight per token for
     every matmul weight, the lm_head on one position per sequence, causal attention scores and

@@ -5,6 +5,7 @@ lm_head their vocabulary rows (padded to a multiple of tp). Works on every model
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from mambaserve.distributed.group import TPGroup
@@ -33,6 +34,8 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
     names the first dimension that does not divide. Returns `model`."""
     if tp.tp_size == 1:
         return model
+    if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        raise ValueError("tensor parallelism with FP8 weights is not supported yet")
     embed_name = next(n for n, m in model.named_children() if isinstance(m, nn.Embedding))
     embedding = getattr(model, embed_name)
     tied = model.lm_head.weight is embedding.weight

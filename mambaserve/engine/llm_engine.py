@@ -50,7 +50,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device.type)
         self.ssm_dtype = resolve_dtype(config.mamba_ssm_dtype)
         self.model = load_model(path, self.dtype, self.device, self.model_config,
-                                config.load_format, config.seed)
+                                config.load_format, config.seed, config.quantization,
+                                config.quantization_exclude)
         self.weight_bytes, self.expert_weight_bytes = weight_bytes(self.model)
         logger.info("weights: %.2f GiB (%s)", self.weight_bytes / 2**30,
                     f"routed experts {self.expert_weight_bytes / 2**30:.2f} GiB"

@@ -15,6 +15,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_range,
 )
 from mambaserve.ops.activation import relu2  # one Triton pass on CUDA
+from mambaserve.ops.fp8_matmul import FP8_DTYPE, fp8_linear, quantize_weight_fp8
 
 
 class MLP(nn.Module):
@@ -42,7 +43,12 @@ class GatedMLP(nn.Module):
 
     gate and up are one projection whose weight is stacked [2, I, hidden] (gate first), so one
     matmul computes both; checkpoints with separate gate_proj / up_proj tensors load into its
-    two halves, fused ones ([2I, hidden], gate first) into the whole."""
+    two halves, fused ones ([2I, hidden], gate first) into the whole.
+
+    FP8 (`to_fp8`): the stack is stored as float8_e4m3fn with `gate_up_weight_scale` [2, I]
+    (one float32 scale per output row) and, with a static activation scale, `gate_up_input_scale`
+    (one float32; two per-half checkpoint scales load as their maximum, the scale both halves'
+    shared input is quantized with)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  gate_multiplier: float = 1.0, down_multiplier: float = 1.0) -> None:
@@ -52,6 +58,27 @@ class GatedMLP(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(2, intermediate_size)) if bias else None
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+        self.register_parameter("gate_up_weight_scale", None)  # FP8 only (to_fp8)
+        self.register_parameter("gate_up_input_scale", None)
+
+    @torch.no_grad()
+    def to_fp8(self, static_input_scale: bool, quantize: bool) -> None:
+        """Store the gate|up stack in FP8: `quantize` converts the loaded weight (per-row
+        scales, dynamic activation scales); otherwise the FP8 parameters are left for a
+        checkpoint to fill (the input scale starts at 0: the loader keeps the maximum)."""
+        w = self.gate_up_weight
+        shape = tuple(w.shape[:2])
+        if quantize:
+            q, scale = quantize_weight_fp8(w.reshape(-1, w.shape[-1]), per_channel=True)
+            q, scale = q.view(w.shape), scale.view(shape)
+        else:
+            q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+            scale = torch.ones(shape, dtype=torch.float32, device=w.device)
+        self.gate_up_weight = nn.Parameter(q, requires_grad=False)
+        self.gate_up_weight_scale = nn.Parameter(scale, requires_grad=False)
+        if static_input_scale:
+            self.gate_up_input_scale = nn.Parameter(
+                torch.zeros((), dtype=torch.float32, device=w.device), requires_grad=False)
 
     def shard(self, tp: TPGroup, reduce: bool = True, what: str = "intermediate_size") -> None:
         """gate and up column-parallel (the same rows of both halves), down_proj row-parallel
@@ -69,7 +96,13 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         I = self.intermediate_size
         bias = None if self.gate_up_bias is None else self.gate_up_bias.view(2 * I)
-        gate, up = F.linear(x, self.gate_up_weight.view(2 * I, -1), bias).split(I, dim=-1)
+        w = self.gate_up_weight.view(2 * I, -1)
+        if self.gate_up_weight_scale is not None:
+            gate_up = fp8_linear(x, w, self.gate_up_weight_scale.view(2 * I),
+                                 self.gate_up_input_scale, bias)
+        else:
+            gate_up = F.linear(x, w, bias)
+        gate, up = gate_up.split(I, dim=-1)
         if self.gate_multiplier != 1.0:
             gate = gate * self.gate_multiplier
         out = self.down_proj(F.silu(gate) * up)

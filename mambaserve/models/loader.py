@@ -13,6 +13,15 @@ from tqdm import tqdm
 
 from mambaserve.config import ModelConfig
 from mambaserve.models.hybrid import RESHAPEABLE
+from mambaserve.models.quantization import (
+    KV_SCALE_SUFFIXES,
+    ONLINE_QUANTIZATIONS,
+    SCALE_SUFFIXES,
+    exclude_patterns,
+    fp8_weight_modules,
+    quantize_model_fp8,
+    read_checkpoint_quantization,
+)
 from mambaserve.models.random_weights import init_random_
 from mambaserve.models.registry import checkpoint_name_map, model_class
 
@@ -46,18 +55,28 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
                cfg: ModelConfig | None = None, load_format: str = "auto",
-               seed: int = 0) -> torch.nn.Module:
+               seed: int = 0, quantization: str | None = None,
+               quantization_exclude: str | None = None) -> torch.nn.Module:
     """`load_format="auto"` reads the safetensors weights; `"dummy"` needs only config.json and
     draws random weights on the device (models/random_weights.py), for benchmarks at real
-    shapes without a checkpoint."""
+    shapes without a checkpoint. An FP8 checkpoint (models/quantization.py) loads its FP8
+    modules as such; `quantization="fp8"` quantizes the other linear projections after loading
+    (those matching `quantization_exclude`, default: attention and lm_head, stay)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model path {path} is not a directory")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+    if quantization not in (None, *ONLINE_QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantization!r}; use one of "
+                         f"{', '.join(ONLINE_QUANTIZATIONS)} (or none)")
     cfg = cfg or ModelConfig.from_hf(path)
     files = checkpoint_files(path) if load_format == "auto" else []
     device = torch.device(device)
+    fp8_ckpt = None
+    if load_format == "auto":
+        raw = json.loads((path / "config.json").read_text())
+        fp8_ckpt = read_checkpoint_quantization(path, raw)
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -77,9 +96,15 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
     if load_format == "dummy":
         if cfg.tie_word_embeddings:
             model.tie_lm_head()
-        return init_random_(model, cfg.num_layers, seed).eval()
+        init_random_(model, cfg.num_layers, seed)
+        return _quantize_after_load(model, quantization, quantization_exclude).eval()
 
     name_map = checkpoint_name_map(cfg)
+    if fp8_ckpt is not None:
+        fp8_weight_modules(_fp8_weights(files, name_map), model)
+        for name, p in model.named_parameters():
+            if name.endswith("input_scale"):  # a per-half input scale loads as the maximum
+                p.data.zero_()
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())
     expected = set(targets)
@@ -98,6 +123,15 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
             with handle as f:
                 for key in f.keys():
                     if key.startswith(_IGNORED_PREFIXES):
+                        continue
+                    if fp8_ckpt is not None and key.endswith(KV_SCALE_SUFFIXES):
+                        continue  # FP8 KV-cache scales: the KV cache stays in the model dtype
+                    if fp8_ckpt is not None and key.endswith(SCALE_SUFFIXES):
+                        problem = _load_scale(key, f.get_tensor(key), name_map, targets, loaded)
+                        if problem == "unexpected":
+                            unexpected.append(key)
+                        elif problem:
+                            misshaped.append(problem)
                         continue
                     mapped = name_map(key)
                     if mapped is None or mapped[0] not in targets:
@@ -146,7 +180,72 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
     if problems:
         raise ValueError(f"checkpoint {path} does not match the {cfg.architecture} config: "
                          + "; ".join(problems))
-    return model.eval()
+    return _quantize_after_load(model, quantization, quantization_exclude).eval()
+
+
+def _quantize_after_load(model: torch.nn.Module, quantization: str | None,
+                         exclude: str | None) -> torch.nn.Module:
+    if quantization == "fp8":
+        quantize_model_fp8(model, exclude_patterns(exclude))
+    return model
+
+
+def _fp8_weights(files: list[Path], name_map) -> dict[str, bool]:
+    """Our weight parameter names whose checkpoint tensor is float8_e4m3fn -> whether the
+    checkpoint gives that module a static input_scale (read from the file headers only)."""
+    keys, fp8 = set(), []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                keys.add(key)
+                if f.get_slice(key).get_dtype() == "F8_E4M3" and not \
+                        key.startswith(_IGNORED_PREFIXES):
+                    fp8.append(key)
+    out = {}
+    for key in fp8:
+        mapped = name_map(key)
+        if mapped is None:
+            continue
+        base = key.rsplit(".", 1)[0] if key.endswith(".weight") else key
+        out[mapped[0]] = out.get(mapped[0], False) or f"{base}.input_scale" in keys
+    return out
+
+
+def _load_scale(key: str, tensor: torch.Tensor, name_map, targets: dict,
+                loaded: dict) -> str | None:
+    """Copy an FP8 checkpoint's `<module>.weight_scale` / `.input_scale` into the FP8 module
+    its weight went to; returns "unexpected" or a mis-shape line on a problem, else None."""
+    base, _, kind = key.rpartition(".")
+    mapped = name_map(f"{base}.weight")
+    if mapped is None:
+        return "unexpected"
+    wname, index = mapped
+    sname = wname + "_scale" if kind == "weight_scale" else \
+        wname[: -len("weight")] + "input_scale"
+    if sname not in targets:  # a scale of no FP8 weight
+        return "unexpected"
+    dest = targets[sname]
+    t = tensor.float()
+    if kind == "input_scale":
+        if t.numel() != 1:
+            return f"{key}: checkpoint {tuple(t.shape)} vs a per-tensor input scale"
+        dest.copy_(torch.maximum(dest, t.reshape(()).to(dest.device)))
+        loaded[sname] = None
+        return None
+    part = dest if index is None else dest[index]
+    if t.numel() == 1:
+        part.copy_(t.reshape(()).expand(part.shape))
+    elif t.numel() == part.numel():
+        part.copy_(t.reshape(part.shape))
+    else:
+        return f"{key}: checkpoint {tuple(t.shape)} vs model {tuple(part.shape)}"
+    if index is None:
+        loaded[sname] = None
+    else:
+        seen = loaded.setdefault(sname, set())
+        if seen is not None:
+            seen.add(index)
+    return None
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:

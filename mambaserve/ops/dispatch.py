@@ -31,11 +31,23 @@ def _tileable_chunk(chunk_size: int) -> bool:
     return chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0
 
 
+def fp8_capable(device: torch.device) -> bool:
+    """CUDA compute capability >= 8.9 (Ada, Hopper, Blackwell): FP8 tensor cores and the
+    float8 conversions the FP8 kernels use."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _fp8_gemm_ok(device: torch.device, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # torch._scaled_mm: FP8 tensor cores, K and N multiples of 16, row-wise scales with bf16 out
+    return (fp8_capable(device) and x.dtype == torch.bfloat16
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
+
+
 @dataclass(frozen=True)
 class Condition:
     """What an op's kernel needs of its inputs beyond a CUDA device: `check` is called with the
-    named inputs `needs` (keyword arguments of `kernel_path`); `otherwise` says what runs the
-    reference."""
+    named inputs `needs` (keyword arguments of `kernel_path`, plus "device": the device asked
+    about); `otherwise` says what runs the reference."""
 
     needs: tuple[str, ...]
     check: Callable[..., bool]
@@ -63,6 +75,12 @@ CONDITIONS: dict[str, Condition | None] = {
     "write_kv": None,
     "moe_experts": None,
     "paged_attention": None,
+    # FP8: Triton's float8e4nv conversion and cuBLASLt's FP8 GEMM need compute capability 8.9
+    "fp8_quant": Condition(("device",), lambda device: fp8_capable(device),
+                           "devices of compute capability < 8.9"),
+    "fp8_linear": Condition(("device", "x", "weight"), _fp8_gemm_ok,
+                            "devices of compute capability < 8.9, non-bfloat16 activations and "
+                            "K or N not a multiple of 16"),
     # the copy kernel moves each slot as one flat run of elements
     "save_decode_snapshots": Condition(
         ("conv_state", "ssm_state"),
@@ -83,6 +101,7 @@ def kernel_path(op: str, device: torch.device | str, **inputs) -> KernelPath:
     cond = CONDITIONS[op]
     if cond is None:
         return "triton"
+    inputs = {"device": torch.device(device), **inputs}
     missing = [n for n in cond.needs if n not in inputs]
     if missing:
         raise TypeError(f"kernel_path({op!r}) needs the input(s) {missing} to decide")
