@@ -12,6 +12,8 @@ out as `pack` lays out parts of those dtypes and shapes (a prefill graph's stati
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -32,7 +34,7 @@ def layout(specs: dict[str, Spec]) -> tuple[dict[str, int], int]:
             raise TypeError(f"upload part {name!r} has dtype {dtype}; supported: "
                             f"{', '.join(str(d) for d in _TORCH_DTYPES)}")
         offsets[name] = end
-        end += -(-dtype.itemsize * int(np.prod(shape, dtype=np.int64)) // _ALIGN) * _ALIGN
+        end += -(-dtype.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
     return offsets, end
 
 
@@ -63,7 +65,7 @@ def views(buf: torch.Tensor, specs: dict[str, Spec]) -> dict[str, torch.Tensor]:
     out = {}
     for name, (dtype, shape) in specs.items():
         dtype, o = np.dtype(dtype), offsets[name]
-        n = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        n = dtype.itemsize * math.prod(shape)
         out[name] = buf[o: o + n].view(_TORCH_DTYPES[dtype]).view(tuple(shape))
     return out
 

@@ -31,6 +31,7 @@ On a CPU (tests) the same static-buffer path runs without capture (`capture=Fals
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,7 +41,7 @@ import torch
 
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_graph
-from mambaserve.host_upload import copy_into, layout, pack, views
+from mambaserve.host_upload import copy_into, layout, views
 from mambaserve.metadata import ForwardMetadata, HostMetadata, PrefillMetadata, plan_metadata
 from mambaserve.ops.dispatch import kernel_path
 from mambaserve.ops.state_snapshot import restore_snapshots
@@ -140,14 +141,25 @@ class PrefillBucket:
         }
 
     @cached_property
+    def _layout(self) -> tuple[dict[str, int], int]:
+        return layout(self.specs)
+
+    @property
     def nbytes(self) -> int:
-        return layout(self.specs)[1]
+        return self._layout[1]
+
+    def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """Named, typed views of a host byte buffer in this bucket's layout."""
+        offsets = self._layout[0]
+        return {name: buf[offsets[name]: offsets[name] + dtype.itemsize * math.prod(shape)]
+                .view(dtype).reshape(shape) for name, (dtype, shape) in self.specs.items()}
 
 
 def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size: int,
-                      scratch_page: int) -> dict[str, np.ndarray]:
-    """The bucket's parts for a step planned eagerly as `host` (None: all padding, for capture):
-    the eager arrays embedded in the bucket's layout, padding around them (module docstring)."""
+                      scratch_page: int) -> np.ndarray:
+    """The bucket's host byte buffer (its one upload) for a step planned eagerly as `host`
+    (None: all padding, for capture): the eager arrays embedded in the bucket's layout, padding
+    around them (module docstring). `b.host_views(buf)` names its parts."""
     z = HostMetadata(0, 0, 0, 0, 0, 0, 0, 0, 0, {}) if host is None else host
     Pr, Tr, Dr, Cr = z.num_prefills, z.num_prefill_tokens, z.num_decodes, z.num_chunks
     P, Tp, D, C, L, K1 = b.rows, b.tokens, b.decodes, b.chunks, b.chunk_size, b.conv_kernel - 1
@@ -166,7 +178,8 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     def ext(e: np.ndarray) -> np.ndarray:  # an eager extended-stream index -> the bucket's
         return np.where(e < Pr * K1, e, e + (P - Pr) * K1)
 
-    out = {name: np.zeros(shape, dtype) for name, (dtype, shape) in b.specs.items()}
+    buf = np.zeros(b.nbytes, np.uint8)
+    out = b.host_views(buf)
     # ---- tokens: real prefill | padding prefill (from position 0) | real decode | padding ----
     pad_pos = np.arange(n_pad, dtype=np.int64)
     for name in ("input_ids", "positions", "slot_mapping", "token_row"):
@@ -230,7 +243,7 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     n_res = len(get("restore_src"))  # padding entries are never read (sliced to n_res)
     out["restore_src"][:n_res], out["restore_dst"][:n_res] = get("restore_src"), \
         get("restore_dst")
-    return out
+    return buf
 
 
 def bucket_metadata(parts: dict[str, torch.Tensor], b: PrefillBucket, *,
@@ -346,9 +359,8 @@ class PrefillGraphRunner:
         return self.logits[:n]
 
     def _upload(self, host: HostMetadata | None, key: tuple[int, int]) -> None:
-        parts = pack_prefill_step(host, self.buckets[key], page_size=self.page_size,
-                                  scratch_page=self.scratch_page)
-        buf, _ = pack(parts)
+        buf = pack_prefill_step(host, self.buckets[key], page_size=self.page_size,
+                                scratch_page=self.scratch_page)
         copy_into(buf, self.buf)  # the step's one upload of forward inputs
 
     def _forward(self, key: tuple[int, int]) -> None:

@@ -5,6 +5,7 @@ on the CPU (uncaptured); capture and replay on a GPU."""
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 from family_checkpoints import MAKERS
@@ -47,7 +48,9 @@ def test_pack_embeds_the_eager_plan_and_pads_it():
     batch = Batch([row([11, 12, 13, 14, 15, 16], 5, 2, True, [3, 4, 5], snaps=[(8, 9)])],
                   [row([21], 6, 4, True, [6, 7])])
     host = plan_metadata(batch, chunk_size=8, conv_kernel=4, page_size=PS, scratch_page=SCRATCH)
-    p = pack_prefill_step(host, b, page_size=PS, scratch_page=SCRATCH)
+    buf = pack_prefill_step(host, b, page_size=PS, scratch_page=SCRATCH)
+    assert buf.dtype == np.uint8 and buf.size == b.nbytes
+    p = b.host_views(buf)
     assert p["input_ids"].tolist() == [11, 12, 13, 14, 15, 16] + [0] * 10 + [21, 0]
     assert p["positions"].tolist() == [5, 6, 7, 8, 9, 10] + list(range(10)) + [6, 0]
     assert p["token_row"].tolist() == [0] * 6 + [2] * 10 + [3, 4]  # padding tokens: the last
@@ -88,6 +91,33 @@ def test_pack_refuses_what_does_not_fit():
                          conv_kernel=4, page_size=PS, scratch_page=SCRATCH)
     with pytest.raises(ValueError, match="pages"):
         pack_prefill_step(host, b, page_size=PS, scratch_page=SCRATCH)
+
+
+def test_metadata_views_are_the_bucket_shapes_in_one_buffer(tiny_ckpt):
+    eng = LLM(tiny_ckpt, device="cpu", max_model_len=64, max_num_seqs=4, page_size=PS).engine
+    graphs = PrefillGraphRunner(eng.model, eng.state_pool, eng.kv_pool, max_tokens=32,
+                                max_decodes=4, max_model_len=64, snapshots=False, device="cpu")
+    base = graphs.buf.untyped_storage().data_ptr()
+    for key, b in graphs.buckets.items():
+        meta = graphs.metas[key]
+        assert (meta.num_tokens, meta.num_decodes, meta.num_prefills) == (
+            b.num_tokens, b.decodes, b.rows)
+        assert meta.prefill.num_chunks == b.chunks and meta.prefill.num_restores == 0
+        assert meta.page_table.shape == (b.num_rows, 16) and meta.max_kv_len == 64
+        assert meta.prefill.chunk_token_idx.shape == (b.chunks, 8)
+        assert meta.logits_idx.shape == (b.num_logits,) and meta.num_decode_snapshots == 0
+        for t in (meta.input_ids, meta.page_table, meta.prefill.has_initial_state,
+                  meta.prefill.row_chunks, meta.decode_snap_dst):
+            assert t.untyped_storage().data_ptr() == base
+    # what a step packs on the host is what the bucket's device views read
+    batch = SCENARIOS["mixed"]
+    meta = graphs.load(batch)
+    host = graphs.buckets[graphs.bucket_of(batch)].host_views(
+        graphs.buf.numpy()[: graphs.buckets[graphs.bucket_of(batch)].nbytes])
+    for name in ("input_ids", "positions", "state_slots", "page_table", "logits_idx"):
+        assert getattr(meta, name).tolist() == host[name].tolist(), name
+    assert meta.prefill.row_chunks.tolist() == host["row_chunks"].tolist()
+    assert meta.prefill.has_initial_state.tolist() == host["has_initial_state"].tolist()
 
 
 # ---- the padded forward against the eager one ----------------------------------------------
