@@ -9,8 +9,8 @@ Design (docs/cuda_graphs.md, "Prefill and mixed steps"):
   the SSD chunk count and chunks per row, the snapshot count, the logit rows (`PrefillBucket`).
 - A step is planned exactly as an eager step (`plan_metadata`), then embedded in its bucket
   (`pack_prefill_step`): the real prefill tokens and rows first, as in the eager layout, then
-  the padding prefill rows (the last holds every padding token, from position 0, with no initial
-  state; the others hold no token and one empty chunk), then the real decode rows, then padding
+  the padding prefill rows (the last holds every padding token, at positions 0 .. page_size - 1
+  over and over, with no initial state; the others hold no token and one empty chunk), then the real decode rows, then padding
   decode rows. Padding writes only the scratch state slot and the scratch KV page; its logits are
   never sampled. Eager indices move with the layout: tokens of decode rows by `tokens -
   real prefill tokens`, rows by `rows - real prefill rows`, the conv extended stream's token part
@@ -185,7 +185,9 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     for name in ("input_ids", "positions", "slot_mapping", "token_row"):
         eager, o = get(name), out[name]
         o[:Tr], o[dec] = eager[:Tr], eager[Tr:]
-    out["positions"][Tr:Tp] = pad_pos
+    # positions within the first page: the padding row's attention reads page-table column 0
+    # only (a position past max_model_len would index past its page-table row)
+    out["positions"][Tr:Tp] = pad_pos % ps
     out["slot_mapping"][Tr:Tp] = scratch * ps + pad_pos % ps
     out["slot_mapping"][Tp + Dr:] = scratch * ps
     out["token_row"][Tr:Tp] = pad_row

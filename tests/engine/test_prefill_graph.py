@@ -52,7 +52,8 @@ def test_pack_embeds_the_eager_plan_and_pads_it():
     assert buf.dtype == np.uint8 and buf.size == b.nbytes
     p = b.host_views(buf)
     assert p["input_ids"].tolist() == [11, 12, 13, 14, 15, 16] + [0] * 10 + [21, 0]
-    assert p["positions"].tolist() == [5, 6, 7, 8, 9, 10] + list(range(10)) + [6, 0]
+    # padding positions stay in the first page (its page-table column 0: the scratch page)
+    assert p["positions"].tolist() == [5, 6, 7, 8, 9, 10] + [i % PS for i in range(10)] + [6, 0]
     assert p["token_row"].tolist() == [0] * 6 + [2] * 10 + [3, 4]  # padding tokens: the last
     assert p["slot_mapping"][6:16].tolist() == [SCRATCH * PS + i % PS for i in range(10)]
     assert p["slot_mapping"][16:].tolist() == [7 * PS + 2, SCRATCH * PS]
