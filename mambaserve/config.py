@@ -233,6 +233,9 @@ class EngineConfig:
     # always eager; False on a CPU runs the static-buffer path uncaptured (tests).
     enforce_eager: bool | None = None
     cuda_graph_max_bs: int = 256
+    # steps with a prefill part of at most this many tokens replay prefill / mixed CUDA graphs
+    # when graphs are on (engine/prefill_graph.py); 0 = those steps always run eagerly
+    cuda_graph_max_prefill_tokens: int = 256
     # "auto": safetensors weights; "dummy": random weights at the config's shapes (benchmarks)
     load_format: str = "auto"
     # overlap scheduling (docs/architecture.md, "The step loop"): None = on when the device is
@@ -277,6 +280,8 @@ class EngineConfig:
               f"must be a positive number of tokens, got {self.mamba_snapshot_interval}")
         check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs",
               f"must be >= 1, got {self.cuda_graph_max_bs}")
+        check(self.cuda_graph_max_prefill_tokens >= 0, "cuda_graph_max_prefill_tokens",
+              f"must be >= 0 (0 = off), got {self.cuda_graph_max_prefill_tokens}")
         check(self.max_step_prefill_tokens >= 1, "max_step_prefill_tokens",
               f"must be >= 1, got {self.max_step_prefill_tokens}")
         check(self.load_format in ("auto", "dummy"), "load_format",
@@ -361,6 +366,10 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
              "docs/cuda_graphs.md)")),
     "cuda_graph_max_bs": ("--cuda-graph-max-bs", dict(
         type=int, help="largest decode batch captured in a CUDA graph (default: %(default)s)")),
+    "cuda_graph_max_prefill_tokens": ("--cuda-graph-max-prefill-tokens", dict(
+        type=int, help="steps whose prefill part has at most this many tokens (up to 4 prefill "
+                       "rows, plus decode rows) replay CUDA graphs too; 0 = they run eagerly "
+                       "(default: %(default)s)")),
     "load_format": ("--load-format", dict(
         choices=["auto", "dummy"], help="auto: safetensors weights; dummy: random weights at "
                                         "the config's shapes (benchmarks; the model folder "

@@ -92,13 +92,15 @@ def test_every_engine_field_has_a_flag():
             "--memory-budget-gb", "0.5", "--gpu-memory-utilization", "0.5",
             "--mamba-ssm-dtype", "bfloat16", "--enable-prefix-caching",
             "--mamba-snapshot-interval", "64", "--seed", "9", "--enforce-eager",
-            "--cuda-graph-max-bs", "8", "--load-format", "dummy", "--async-scheduling",
+            "--cuda-graph-max-bs", "8", "--cuda-graph-max-prefill-tokens", "64",
+            "--load-format", "dummy", "--async-scheduling",
             "--max-step-prefill-tokens", "128"]
     want = EngineConfig(dtype="bf16", device="cuda:1", max_num_seqs=7, chunked_prefill_size=96,
                         max_model_len=300, page_size=32, memory_budget_bytes=2**29,
                         gpu_memory_utilization=0.5, mamba_ssm_dtype="bfloat16",
                         enable_prefix_caching=True, mamba_snapshot_interval=64, seed=9,
-                        enforce_eager=True, cuda_graph_max_bs=8, load_format="dummy",
+                        enforce_eager=True, cuda_graph_max_bs=8,
+                        cuda_graph_max_prefill_tokens=64, load_format="dummy",
                         async_scheduling=True, max_step_prefill_tokens=128)
     # every field differs from its default, so a field without a flag would fail the equality
     default = EngineConfig()
@@ -126,6 +128,8 @@ def test_cli_help_shows_the_defaults_and_the_budget_unit():
     (["--gpu-memory-utilization", "1.5"], r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
     (["--max-model-len", "1"], "max_model_len must be >= 2"),
     (["--device", "tpu"], "device must be cpu or cuda"),
+    (["--cuda-graph-max-prefill-tokens", "-1"],
+     r"cuda_graph_max_prefill_tokens must be >= 0 \(0 = off\), got -1"),
 ])
 def test_bad_engine_flags_are_one_line_errors(argv, match):
     with pytest.raises(ValueError, match=match):

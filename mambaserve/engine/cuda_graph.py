@@ -33,6 +33,7 @@ padding, slicing and the engine routing are exercised; only capture/replay needs
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,6 +171,24 @@ def attention_workspace_bytes(cfg, bs: int, max_kv_len: int) -> int:
     return 2 * bs * max_kv_len * cfg.num_attention_heads * cfg.head_dim * 4
 
 
+def capture_graph(forward: Callable[[], None], device: torch.device,
+                  pool) -> torch.cuda.CUDAGraph:
+    """Two warm-up runs of `forward` on a side stream (Triton compile / autotune, allocator),
+    then its capture into a graph that allocates from `pool`."""
+    side = torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        forward()
+    return g
+
+
 class CudaGraphRunner:
     """Captures and replays decode forwards. `capture=False` (and always on a CPU) runs the same
     static-buffer forward eagerly: the host logic is then testable without a GPU."""
@@ -203,6 +222,7 @@ class CudaGraphRunner:
                                         snapshots=snapshots) for b in self.buckets}
         self.capture_enabled = capture and self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the graphs' memory pool once captured
 
     # ---- routing ----------------------------------------------------------------------------
     def can_run(self, batch: Batch) -> bool:
@@ -231,25 +251,15 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket (largest first, one shared memory pool). The capture batches are
-        all padding rows: they touch only the scratch state slot and the scratch KV page."""
+        """Capture every bucket (largest first, one shared memory pool, `self.pool`, which the
+        prefill graphs share). The capture batches are all padding rows: they touch only the
+        scratch state slot and the scratch KV page."""
         if not self.capture_enabled:
             return
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.buckets):
             self._load(Batch([], [Row.standalone([0], 0, -1, True, [])]), bs)
-            torch.cuda.synchronize(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up: Triton compile/autotune, allocator
-                for _ in range(2):
-                    self._forward(bs)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._forward(bs)
-            self.graphs[bs] = g
+            self.graphs[bs] = capture_graph(lambda b=bs: self._forward(b), self.device, self.pool)
         torch.cuda.synchronize(self.device)
         logger.info("CUDA graphs captured for decode batch sizes %s (max_kv_len %d)",
                     self.buckets, self.max_kv_len)

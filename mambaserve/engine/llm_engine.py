@@ -87,6 +87,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len, snapshots=config.enable_prefix_caching,
                 device=self.device)
             self.runner.graph_runner.capture()
+            if config.cuda_graph_max_prefill_tokens:
+                self.runner.prefill_graph_runner = self._prefill_graphs(config)
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
         self._rng = random.Random(config.seed)
@@ -101,14 +103,19 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """A prefill-only, a mixed and a decode step on throwaway prompts, so the Triton kernels
-        of every forward kind are compiled before the first request: on the H200 a fresh
+        of every eager forward kind are compiled before the first request (CUDA graphs are
+        captured before, which compiles theirs): on the H200 a fresh
         server's first requests otherwise waited ~12 s for JIT compiles (docs/benchmarks.md).
         The prefix cache sees none of it (no policy during the warm-up); the stats, the seed
         generator and the arrival counter start afresh, so later requests are unaffected."""
         policy, self.scheduler.policy = self.scheduler.policy, None
         p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        n = max(1, min(self.model_config.chunk_size + 3, self.max_model_len - 4,
-                       self.config.chunked_prefill_size))
+        # prompts past the prefill graphs' largest bucket, so both steps run eagerly (the
+        # graphs' kernels were compiled when they were captured)
+        graphs = self.runner.prefill_graph_runner
+        longest_graph = graphs.token_buckets[-1] if graphs is not None else 0
+        n = max(1, min(max(self.model_config.chunk_size + 3, 2 * longest_graph + 2),
+                       self.max_model_len - 4, self.config.chunked_prefill_size))
         try:
             self.add_request("__warmup_prefill", {"prompt_token_ids": [0] * n}, p)
             self.step()  # prefill only
@@ -122,6 +129,22 @@ class LLMEngine:
         self.scheduler.num_preemptions, self.runner.busy_seconds = 0, 0.0
         self._rng = random.Random(self.config.seed)
         self._counter = itertools.count()
+
+    def _prefill_graphs(self, config: EngineConfig):
+        """Prefill / mixed-step graphs (engine/prefill_graph.py), captured into the decode
+        graphs' memory pool: prefill parts up to cuda_graph_max_prefill_tokens (no more than a
+        step's token budget), decode rows up to the decode graphs' largest bucket (at most
+        MAX_MIXED_DECODES)."""
+        from mambaserve.engine.prefill_graph import MAX_MIXED_DECODES, PrefillGraphRunner
+
+        graphs = PrefillGraphRunner(
+            self.model, self.state_pool, self.kv_pool,
+            max_tokens=min(config.cuda_graph_max_prefill_tokens, config.chunked_prefill_size),
+            max_decodes=min(self.runner.graph_runner.max_bs, MAX_MIXED_DECODES),
+            max_model_len=self.max_model_len, snapshots=config.enable_prefix_caching,
+            device=self.device)
+        graphs.capture(self.runner.graph_runner.pool)
+        return graphs
 
     def _snapshot_interval(self) -> int:
         """Default: the smallest legal interval, lcm(chunk_size, page_size). The number of

@@ -2,8 +2,9 @@
 
 Between the upload and the sampler nothing reads a device value; the only device-to-host copy of
 a step is the packed result (sampled ids, their logprobs, top-k alternatives, prompt logprobs).
-Decode-only batches that fit a captured bucket replay a CUDA graph (engine/cuda_graph.py) instead
-of the eager forward; the sampling side is the same for both.
+Decode-only batches that fit a captured bucket replay a CUDA graph (engine/cuda_graph.py), and
+steps with a small prefill part a prefill graph (engine/prefill_graph.py), instead of the eager
+forward; the sampling side is the same for all.
 
 A step is `launch(batch)` (everything up to queuing the read-back, which is non-blocking on CUDA
 and completes an event) then `collect(handle)` (waits for that event, unpacks the `RowResult`s);
@@ -49,14 +50,17 @@ class StepHandle:
     cpu_seconds: float = 0.0  # on a CPU the step ran inside launch: its duration
 
 
-def feed_arrays(batch: Batch) -> dict[str, np.ndarray]:
+def feed_arrays(batch: Batch, decode_offset: int = 0) -> dict[str, np.ndarray]:
     """Where the rows whose token is on the device take it from: `dst` flat token indices in
-    the batch, `src` their state slots (indices into the token buffer); and `sample_slot`, the
-    state slot of each sampling row in order (where its sampled token is written)."""
+    the batch (those of decode rows moved by `decode_offset`: a prefill graph's padding tokens
+    sit before them), `src` their state slots (indices into the token buffer); and
+    `sample_slot`, the state slot of each sampling row in order (where its sampled token is
+    written)."""
     dst, src, offset = [], [], 0
-    for row in batch.rows:
+    for i, row in enumerate(batch.rows):
         if row.input_on_device:
-            dst.append(offset + row.num_tokens - 1)
+            moved = decode_offset if i >= len(batch.prefills) else 0
+            dst.append(offset + row.num_tokens - 1 + moved)
             src.append(row.state_slot)
         offset += row.num_tokens
     slots = [r.state_slot for r in batch.rows if r.samples]
@@ -76,6 +80,7 @@ class ModelRunner:
         self.token_buf = torch.zeros(state_pool.num_slots + 1, dtype=torch.int64, device=device)
         self.busy_seconds = 0.0  # device time of collected steps (CPU: their wall time)
         self.graph_runner = None  # engine/cuda_graph.CudaGraphRunner when graphs are enabled
+        self.prefill_graph_runner = None  # engine/prefill_graph.PrefillGraphRunner, likewise
         # per-request token counts for penalties (device rows allocated on first use)
         self.penalties = PenaltyState(cfg.vocab_size, device)
         # labels the phases of a step for the sync audit (tools/sync_audit.py)
@@ -97,10 +102,21 @@ class ModelRunner:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         plan = SamplingPlan.from_batch(batch, self.penalties)
-        feed = feed_arrays(batch)
-        graphs = self.graph_runner
-        if graphs is not None and graphs.can_run(batch):
+        graphs, prefill_graphs = self.graph_runner, self.prefill_graph_runner
+        if prefill_graphs is not None and prefill_graphs.can_run(batch):
+            # small prefill part (+ decode rows): a padded bucket (engine/prefill_graph.py)
+            feed = feed_arrays(batch, prefill_graphs.decode_offset(batch))
+            tensors = upload({**plan.arrays, **feed}, self.device)
+            sampling = SamplingMetadata.on_device(plan, tensors)
+            meta = prefill_graphs.load(batch)
+            self._feed(meta.input_ids, tensors)
+            if self.on_forward is not None:
+                self.on_forward(batch, meta)
+            with self.section("forward"):
+                logits = prefill_graphs.replay()
+        elif graphs is not None and graphs.can_run(batch):
             # decode-only batch: static buffers + captured graph (engine/cuda_graph.py)
+            feed = feed_arrays(batch)
             tensors = upload({**plan.arrays, **feed}, self.device)
             sampling = SamplingMetadata.on_device(plan, tensors)
             meta = graphs.load(batch)
@@ -110,6 +126,7 @@ class ModelRunner:
             with self.section("forward"):
                 logits = graphs.replay(len(batch.decodes))
         else:
+            feed = feed_arrays(batch)
             host = plan_metadata(batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel,
                                  page_size=self.kv_pool.page_size,
                                  scratch_page=self.kv_pool.scratch_page)

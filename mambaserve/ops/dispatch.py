@@ -87,6 +87,11 @@ CONDITIONS: dict[str, Condition | None] = {
         lambda conv_state, ssm_state: conv_state[0].is_contiguous()
         and ssm_state[0].is_contiguous(),
         "pools whose slots are not contiguous"),
+    "save_prefill_ssm_snapshots": Condition(
+        ("ssm_state", "chunk_end_states"),
+        lambda ssm_state, chunk_end_states: ssm_state[0].is_contiguous()
+        and chunk_end_states.shape[0] > 0 and chunk_end_states[0].is_contiguous(),
+        "pools whose slots are not contiguous"),
 }
 
 

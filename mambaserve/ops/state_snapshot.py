@@ -26,7 +26,21 @@ def save_prefill_conv_snapshots(x: torch.Tensor, conv_state: torch.Tensor,
 
 def save_prefill_ssm_snapshots(ssm_state: torch.Tensor, chunk_end_states: torch.Tensor,
                                snap_chunk: torch.Tensor, snap_dst: torch.Tensor) -> None:
-    """chunk_end_states: [num_chunks, H, P, N] float32; snap_chunk, snap_dst: [S]."""
+    """chunk_end_states: [num_chunks, H, P, N] float32; snap_chunk, snap_dst: [S]. On CUDA with
+    Triton only snapshots with a destination (>= 0) move bytes (a prefill graph's padding
+    entries cost two index loads); the reference sends the others to the scratch slot."""
+    if kernel_path("save_prefill_ssm_snapshots", ssm_state.device, ssm_state=ssm_state,
+                   chunk_end_states=chunk_end_states) == "triton":
+        from mambaserve.ops.triton.state_copy import copy_rows_triton
+
+        copy_rows_triton(chunk_end_states, snap_chunk, ssm_state, snap_dst)
+        return
+    save_prefill_ssm_snapshots_ref(ssm_state, chunk_end_states, snap_chunk, snap_dst)
+
+
+def save_prefill_ssm_snapshots_ref(ssm_state: torch.Tensor, chunk_end_states: torch.Tensor,
+                                   snap_chunk: torch.Tensor, snap_dst: torch.Tensor) -> None:
+    """Reference of `save_prefill_ssm_snapshots`: every entry copied, -1 to the scratch slot."""
     dst = safe_slots(snap_dst, ssm_state.shape[0])
     ssm_state.index_copy_(0, dst, chunk_end_states.index_select(0, snap_chunk)
                           .to(ssm_state.dtype))

@@ -87,6 +87,11 @@ def test_conditions_on_a_cuda_device():
     strided = torch.zeros(3, 8, 2).transpose(1, 2)  # slots not contiguous
     assert kernel_path("save_decode_snapshots", "cuda", conv_state=strided,
                        ssm_state=ssm) == "reference"
+    ends = torch.zeros(4, 2, 4, 5)
+    assert kernel_path("save_prefill_ssm_snapshots", "cuda", ssm_state=ssm,
+                       chunk_end_states=ends) == "triton"
+    assert kernel_path("save_prefill_ssm_snapshots", "cuda", ssm_state=ssm.transpose(2, 3),
+                       chunk_end_states=ends) == "reference"
 
 
 def test_bad_queries_raise():

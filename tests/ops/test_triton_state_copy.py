@@ -1,6 +1,7 @@
-"""Triton state-slot copy for decode snapshots vs. the reference (CPU interpreter without CUDA;
-compiled with it): destinations get the rows' states bit for bit, rows without a destination
-(and padding rows with slot -1) touch nothing, not even the scratch slot."""
+"""Triton state-slot copy for decode and prefill snapshots vs. the reference (CPU interpreter
+without CUDA; compiled with it): destinations get the rows' states bit for bit (cast to the
+pool's dtype), rows without a destination (and padding rows with slot -1) touch nothing, not even
+the scratch slot."""
 
 from __future__ import annotations
 
@@ -8,11 +9,22 @@ import pytest
 import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
-from mambaserve.ops.state_snapshot import save_decode_snapshots, save_decode_snapshots_ref
+from mambaserve.ops import state_snapshot
+from mambaserve.ops.dispatch import kernel_path
+from mambaserve.ops.state_snapshot import (
+    save_decode_snapshots,
+    save_decode_snapshots_ref,
+    save_prefill_ssm_snapshots,
+    save_prefill_ssm_snapshots_ref,
+)
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton.state_copy import _copy_slots_kernel, copy_state_slots_triton
+from mambaserve.ops.triton.state_copy import (
+    _copy_rows_kernel,
+    copy_rows_triton,
+    copy_state_slots_triton,
+)
 
-require_interpreter(_copy_slots_kernel)
+require_interpreter(_copy_rows_kernel)
 
 SRC = [3, 0, 5, -1, 2, 1]  # decode rows' live slots; -1 = a padded graph row
 DST = [7, -1, 6, -1, -1, 8]  # snapshot destinations; -1 = none
@@ -60,6 +72,47 @@ def test_decode_snapshots_through_the_public_op():
     # the reference wrote rows without a destination into the scratch slot (the last); the
     # kernel leaves it alone
     assert torch.equal(conv[:-1], conv_ref[:-1]) and torch.equal(ssm[:-1], ssm_ref[:-1])
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_copy_rows_between_tensors_casts_and_skips(pool_dtype):
+    """Prefill snapshots: chunk end states (float32) -> pool slots; -1 destinations (a prefill
+    graph's padding entries) move nothing."""
+    gen = torch.Generator().manual_seed(4)
+    states = torch.randn(5, 2, 3, 4, generator=gen).to(DEV)  # [chunks, H, P, N]
+    pool = torch.randn(9, 2, 3, 4, generator=gen).to(DEV, pool_dtype)
+    chunk = torch.tensor([0, 3, 0, 4], dtype=torch.int64, device=DEV)
+    dst = torch.tensor([6, -1, -1, 2], dtype=torch.int64, device=DEV)
+    before = pool.clone()
+    with tuning.override("state_copy", block=16, num_warps=2):
+        copy_rows_triton(states, chunk, pool, dst)
+    expect = before.clone()
+    expect[6], expect[2] = states[0].to(pool_dtype), states[4].to(pool_dtype)
+    assert torch.equal(pool, expect)
+    ref = before.clone()
+    save_prefill_ssm_snapshots_ref(ref, states, chunk, dst)
+    assert torch.equal(pool[:-1], ref[:-1])  # the reference differs in the scratch slot only
+
+
+def test_prefill_snapshots_through_the_public_op(monkeypatch):
+    decided = []
+
+    def decide(op, device, **inputs):
+        decided.append(kernel_path(op, "cuda", **inputs))
+        return decided[-1]
+
+    if DEV == "cpu":  # decide as on CUDA; the launcher runs under the interpreter
+        monkeypatch.setattr(state_snapshot, "kernel_path", decide)
+    gen = torch.Generator().manual_seed(5)
+    states = torch.randn(3, 2, 4, 5, generator=gen).to(DEV)
+    pool = torch.randn(6, 2, 4, 5, generator=gen).to(DEV)
+    chunk = torch.tensor([2, 0], device=DEV)
+    dst = torch.tensor([1, -1], device=DEV)
+    ref = pool.clone()
+    save_prefill_ssm_snapshots(pool, states, chunk, dst)
+    save_prefill_ssm_snapshots_ref(ref, states, chunk, dst)
+    assert torch.equal(pool[:-1], ref[:-1]) and torch.equal(pool[1], states[2])
+    assert DEV == "cuda" or decided == ["triton"]
 
 
 def test_public_op_on_cpu_is_the_reference():
