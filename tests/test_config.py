@@ -94,14 +94,16 @@ def test_every_engine_field_has_a_flag():
             "--mamba-snapshot-interval", "64", "--seed", "9", "--enforce-eager",
             "--cuda-graph-max-bs", "8", "--cuda-graph-max-prefill-tokens", "64",
             "--load-format", "dummy", "--async-scheduling",
-            "--max-step-prefill-tokens", "128"]
+            "--max-step-prefill-tokens", "128", "--quantization", "fp8",
+            "--quantization-exclude", "lm_head,*.o_proj"]
     want = EngineConfig(dtype="bf16", device="cuda:1", max_num_seqs=7, chunked_prefill_size=96,
                         max_model_len=300, page_size=32, memory_budget_bytes=2**29,
                         gpu_memory_utilization=0.5, mamba_ssm_dtype="bfloat16",
                         enable_prefix_caching=True, mamba_snapshot_interval=64, seed=9,
                         enforce_eager=True, cuda_graph_max_bs=8,
                         cuda_graph_max_prefill_tokens=64, load_format="dummy",
-                        async_scheduling=True, max_step_prefill_tokens=128)
+                        async_scheduling=True, max_step_prefill_tokens=128,
+                        quantization="fp8", quantization_exclude="lm_head,*.o_proj")
     # every field differs from its default, so a field without a flag would fail the equality
     default = EngineConfig()
     same = [f.name for f in dataclasses.fields(EngineConfig)
