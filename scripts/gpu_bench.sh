@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -234,6 +234,15 @@ stage_moe-presets() {  # one batch at the MoE presets (FLOPs and bytes on active
         run "one-batch-$p" 280 $MS bench one-batch --preset $p --device cuda --dtype bfloat16 \
             --batch-size 1,8,64 --input-len 2048 --output-len 24 \
             --engine enforce_eager=false,chunked_prefill_size=16384 --out "$W/one_batch_$p.json"
+    done
+}
+stage_prefill-graphs() {  # small prefill / mixed steps through CUDA graphs: GPU tests, batch-1 TTFT on vs off
+    run prefill-graph-tests 200 $PY -m pytest -q -x -p no:cacheprovider tests/engine/test_prefill_graph.py \
+        tests/engine/test_cuda_graph.py -k "cuda or gpu"
+    for g in 256 0; do
+        run "ttft-graphs-$g" 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+            --batch-size 1 --input-len 32,128,512,2048 --output-len 8 \
+            --engine enforce_eager=false,cuda_graph_max_prefill_tokens=$g --out "$W/ttft_graphs_$g.json"
     done
 }
 stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch FP8 vs bf16, drift
