@@ -239,7 +239,7 @@ stage_moe-presets() {  # one batch at the MoE presets (FLOPs and bytes on active
 stage_prefill-graphs() {  # small prefill / mixed steps through CUDA graphs: GPU tests, batch-1 TTFT on vs off
     run prefill-graph-tests 200 $PY -m pytest -q -x -p no:cacheprovider tests/engine/test_prefill_graph.py \
         tests/engine/test_cuda_graph.py -k "cuda or gpu"
-    for g in 256 0; do
+    for g in ${PG_LIST:-256 0}; do
         run "ttft-graphs-$g" 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
             --batch-size 1 --input-len 32,128,512,2048 --output-len 8 \
             --engine enforce_eager=false,cuda_graph_max_prefill_tokens=$g --out "$W/ttft_graphs_$g.json"
@@ -248,8 +248,8 @@ stage_prefill-graphs() {  # small prefill / mixed steps through CUDA graphs: GPU
 stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch FP8 vs bf16, drift
     run fp8-tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_fp8_matmul.py \
         tests/layers/test_fp8_linear.py
-    run fp8-audit 120 $MS audit-syncs --device cuda --dtype bfloat16 --quantization fp8
-    run fp8-gemm 200 $PY scripts/fp8_gemm_bench.py --out "$W/fp8_gemm.json"
+    [ -n "${FP8_QUICK:-}" ] || run fp8-audit 120 $MS audit-syncs --device cuda --dtype bfloat16 --quantization fp8
+    [ -n "${FP8_QUICK:-}" ] || run fp8-gemm 200 $PY scripts/fp8_gemm_bench.py --out "$W/fp8_gemm.json"
     for q in bf16 fp8; do
         local eng="enforce_eager=false,chunked_prefill_size=16384"
         [ $q = fp8 ] && eng="$eng,quantization=fp8"
@@ -259,7 +259,7 @@ stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch
     done
     run fp8-drift-9b 300 $PY scripts/fp8_drift.py --preset $PRESET --device cuda \
         --dtype bfloat16 --tokens 2048 --out "$W/fp8_drift_9b.json"
-    run fp8-drift-demo 120 $PY scripts/fp8_drift.py --model mambaserve/assets/demo_model \
+    [ -n "${FP8_QUICK:-}" ] || run fp8-drift-demo 120 $PY scripts/fp8_drift.py --model mambaserve/assets/demo_model \
         --device cuda --dtype bfloat16 --tokens 2048 --out "$W/fp8_drift_demo.json"
 }
 
