@@ -247,7 +247,8 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
 
 
 def _tokens(llm, prompts):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    params = [PARAMS[i % len(PARAMS)] for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [o.outputs[0].token_ids for o in outs]
 
 
