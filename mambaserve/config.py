@@ -241,6 +241,9 @@ class EngineConfig:
     # prefill tokens of one step while decodes run (the ITL / TTFT trade-off in
     # docs/architecture.md); steps without decodes take up to chunked_prefill_size
     max_step_prefill_tokens: int = 512
+    # ranks of tensor parallelism (docs/tensor_parallel.md): 1 runs in this process alone, N
+    # spawns ranks 1..N-1 as worker processes, this process being rank 0
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         """Raise a one-line ValueError naming the first bad field ("<field> must be ...")."""
@@ -273,6 +276,8 @@ class EngineConfig:
               f"must be >= 1, got {self.cuda_graph_max_bs}")
         check(self.max_step_prefill_tokens >= 1, "max_step_prefill_tokens",
               f"must be >= 1, got {self.max_step_prefill_tokens}")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         check(self.load_format in ("auto", "dummy"), "load_format",
               f"must be auto or dummy, got {self.load_format!r}")
 
@@ -365,4 +370,7 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
         type=int, help="prefill tokens per step while decodes run: lower keeps inter-token "
                        "latency flat, higher gives a new request its first token sooner "
                        "(default: %(default)s)")),
+    "tensor_parallel_size": ("--tensor-parallel-size", dict(
+        type=int, help="split the model over N processes (one per GPU, gloo on a CPU), this one "
+                       "being rank 0; docs/tensor_parallel.md (default: %(default)s)")),
 }
