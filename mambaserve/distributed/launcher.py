@@ -73,6 +73,10 @@ class TPWorkers:
         torchrun on a rank other than 0, run that rank's worker loop and exit the process."""
         n = config.tensor_parallel_size
         timeout = collective_timeout_s()
+        if torch.distributed.is_initialized():
+            raise RuntimeError("a torch.distributed process group is already initialized in this "
+                               "process (another tensor-parallel engine?): close it first; one "
+                               "tensor-parallel engine per process")
         run = torchrun_rank()
         if run is not None:
             rank, world, local = run
@@ -178,7 +182,8 @@ class TPWorkers:
             if p.is_alive():
                 p.kill()
                 p.join(5.0)
-        destroy_tp()
+        if self.ctx is not None:  # (a failed start never joined: the group is not ours)
+            destroy_tp()
         if self.errors is not None:
             self.errors.close()
         if self.tmpdir is not None:

@@ -32,7 +32,8 @@ from mambaserve.distributed.step_broadcast import CALL, STEP, STOP
 from mambaserve.engine.rank_setup import RankModel, build_rank
 from mambaserve.tools.sync_audit import CPU_ONLY_ALLOWED, SyncAudit
 
-# test hook: (rank, step, "raise" | "exit"): that rank fails when it receives its step-th step
+# test hook: (rank, step, kind): at its step-th step that rank raises ("raise"), exits at once
+# ("exit"), or makes one host sync its sync audit must report ("sync")
 Fault = tuple[int, int, str]
 
 
@@ -85,9 +86,11 @@ class Follower:
 
     def _step(self, fwd) -> None:
         self.steps += 1
-        if self.fault is not None and self.fault[:2] == (self.ctx.tp.tp_rank, self.steps):
-            if self.fault[2] == "exit":
-                os._exit(3)
+        due = self.fault is not None and self.fault[:2] == (self.ctx.tp.tp_rank, self.steps)
+        kind = self.fault[2] if due else None
+        if kind == "exit":
+            os._exit(3)
+        if kind == "raise":
             raise RuntimeError(f"injected fault on rank {self.ctx.tp.tp_rank} at step "
                                f"{self.steps}")
         runner = self.rm.runner
@@ -98,6 +101,9 @@ class Follower:
         with audit:
             runner.section = audit.section
             runner.run_follower(fwd)
+            if kind == "sync":  # test hook: a sync this rank's audit must report
+                with audit.section("forward"):
+                    torch.zeros(1).item()
         runner.section = lambda label: contextlib.nullcontext()
         self.audits.append({"forward": audit.count(section="forward"),
                             "sampler": audit.count(section="sampler"),
