@@ -93,13 +93,14 @@ def test_every_engine_field_has_a_flag():
             "--mamba-ssm-dtype", "bfloat16", "--enable-prefix-caching",
             "--mamba-snapshot-interval", "64", "--seed", "9", "--enforce-eager",
             "--cuda-graph-max-bs", "8", "--load-format", "dummy", "--async-scheduling",
-            "--max-step-prefill-tokens", "128"]
+            "--max-step-prefill-tokens", "128", "--tensor-parallel-size", "2"]
     want = EngineConfig(dtype="bf16", device="cuda:1", max_num_seqs=7, chunked_prefill_size=96,
                         max_model_len=300, page_size=32, memory_budget_bytes=2**29,
                         gpu_memory_utilization=0.5, mamba_ssm_dtype="bfloat16",
                         enable_prefix_caching=True, mamba_snapshot_interval=64, seed=9,
                         enforce_eager=True, cuda_graph_max_bs=8, load_format="dummy",
-                        async_scheduling=True, max_step_prefill_tokens=128)
+                        async_scheduling=True, max_step_prefill_tokens=128,
+                        tensor_parallel_size=2)
     # every field differs from its default, so a field without a flag would fail the equality
     default = EngineConfig()
     same = [f.name for f in dataclasses.fields(EngineConfig)
@@ -126,6 +127,7 @@ def test_cli_help_shows_the_defaults_and_the_budget_unit():
     (["--gpu-memory-utilization", "1.5"], r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
     (["--max-model-len", "1"], "max_model_len must be >= 2"),
     (["--device", "tpu"], "device must be cpu or cuda"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an integer >= 1, got 0"),
 ])
 def test_bad_engine_flags_are_one_line_errors(argv, match):
     with pytest.raises(ValueError, match=match):
