@@ -64,7 +64,9 @@ class LLMEngine:
                               self.tp_workers.ctx.agree if self.tp_workers else None)
         except BaseException as e:
             if self.tp_workers is not None:  # stop the workers, whatever they are doing
-                failure = self._tp_failure(e, wait_s=2.0)
+                # rank 0's own ValueError (a shape that does not shard, a budget too small) is
+                # the clear one: the workers met the same
+                failure = None if isinstance(e, ValueError) else self._tp_failure(e, wait_s=2.0)
                 self.tp_workers.close(timeout_s=0.0)
                 if failure is not None:
                     raise failure from e
