@@ -280,7 +280,8 @@ class LLMEngine:
         run ahead (a request needs its last token on the host, or a request with a row in
         flight must be preempted) first collects the step in flight."""
         if self.tp_workers is not None and self.tp_workers.closed:
-            raise RuntimeError("the engine was closed (tensor-parallel workers stopped)")
+            why = (self.tp_workers.failed or "close()").splitlines()[0]
+            raise RuntimeError(f"the engine was closed (tensor-parallel workers stopped: {why})")
         try:
             done = self._step()
         except BaseException as e:
@@ -288,9 +289,12 @@ class LLMEngine:
             for batch in self._scheduled:
                 self.scheduler.abandon(batch)
             self._scheduled, self._inflight = [], None
-            failure = self._tp_failure(e)
-            if failure is not None and failure is not e:
-                raise failure from e
+            if self.tp_workers is not None:
+                failure = self._tp_failure(e)
+                # a step that raised may have left the ranks out of step: the engine stops
+                self.tp_workers.close(timeout_s=2.0)
+                if failure is not None and failure is not e:
+                    raise failure from e
             raise
         touched: dict[str, None] = {}
         for changed in done:
