@@ -250,6 +250,9 @@ class EngineConfig:
     # module-name patterns (fnmatch, comma-separated) on-the-fly FP8 leaves in the model dtype;
     # None: attention projections and lm_head, as NVIDIA's FP8 NemotronH checkpoint
     quantization_exclude: str | None = None
+    # ranks of tensor parallelism (docs/tensor_parallel.md): 1 runs in this process alone, N
+    # spawns ranks 1..N-1 as worker processes, this process being rank 0
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         """Raise a one-line ValueError naming the first bad field ("<field> must be ...")."""
@@ -284,6 +287,8 @@ class EngineConfig:
               f"must be >= 0 (0 = off), got {self.cuda_graph_max_prefill_tokens}")
         check(self.max_step_prefill_tokens >= 1, "max_step_prefill_tokens",
               f"must be >= 1, got {self.max_step_prefill_tokens}")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         check(self.load_format in ("auto", "dummy"), "load_format",
               f"must be auto or dummy, got {self.load_format!r}")
         check(self.quantization in (None, "fp8"), "quantization",
@@ -390,4 +395,7 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
     "quantization_exclude": ("--quantization-exclude", dict(
         help="comma-separated module-name patterns --quantization fp8 leaves unquantized "
              "(default: lm_head,*.q_proj,*.k_proj,*.v_proj,*.o_proj)")),
+    "tensor_parallel_size": ("--tensor-parallel-size", dict(
+        type=int, help="split the model over N processes (one per GPU, gloo on a CPU), this one "
+                       "being rank 0; docs/tensor_parallel.md (default: %(default)s)")),
 }

@@ -12,7 +12,8 @@ or `bash scripts/...` is checked:
 * `python -m pytest PATHS`: the paths exist; `bash scripts/X.sh STAGE`: the script and stage exist;
 * `pip install ...`: every extra named exists in pyproject.toml; `hf` / `huggingface-cli` /
   `curl`: network commands, not run; `lm_eval`: lm-evaluation-harness against a running
-  server, not run.
+  server, not run; `torchrun ... -m mambaserve.cli CMD ...`: a multi-host launch, not run, its
+  mambaserve command parsed and validated.
 
 Python blocks compile; the ones that need neither a GPU, a server nor a download run. A
 command of a kind this file does not know fails the test: teach it here or fix the doc.
@@ -39,7 +40,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SHELL_LANGS = {"bash", "sh", "shell"}
 STARTS = ("mambaserve", "python", "python3", "bash", "pip", "hf", "huggingface-cli", "curl",
-          "lm_eval")
+          "lm_eval", "torchrun")
 INLINE = re.compile(r"`((?:mambaserve |python3? scripts/|python3? -m pytest|bash scripts/)"
                     r"[^`]*)`")
 NETWORK = {"hf", "huggingface-cli", "curl", "lm_eval"}
@@ -231,6 +232,12 @@ def _check_other(argv: list[str], monkeypatch) -> None:
         return
     if head == "pip":
         _check_pip(argv)
+        return
+    if head == "torchrun":
+        assert "mambaserve.cli" in argv, "torchrun runs -m mambaserve.cli in the docs"
+        args = _parse(argv[argv.index("mambaserve.cli") + 1:])
+        if args is not None:
+            _validate(args)
         return
     if head in ("python", "python3") and argv[1:3] == ["-m", "pytest"]:
         for a in argv[3:]:

@@ -32,6 +32,12 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `x` into every rank's `x` (same shape and dtype), in place; returns it."""
+        if self.tp_size > 1:
+            dist.broadcast(x, src, group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim`, in rank order."""
         if self.tp_size == 1:

@@ -1,6 +1,6 @@
 """Run one function on N local processes joined in a gloo (CPU) or NCCL process group, each
 bounded by a deadline: a rank that hangs or dies makes `run_on_ranks` raise within `timeout_s`
-instead of waiting forever. Used by the tests; the engine's launch will share it."""
+instead of waiting forever. Used by the tests (the engine starts its ranks with launcher.py)."""
 
 from __future__ import annotations
 

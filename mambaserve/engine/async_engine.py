@@ -204,7 +204,8 @@ class AsyncEngine:
     def shutdown(self, drain: bool = True, timeout: float | None = 60.0) -> bool:
         """Stop taking requests; with `drain`, let the ones in flight finish first (up to
         `timeout` seconds, then abort them); without, abort them at once (their streams end
-        with finish_reason "abort"). Blocks until the loop thread exited; True if it did."""
+        with finish_reason "abort"). Blocks until the loop thread exited; True if it did (the
+        engine is then closed: its tensor-parallel workers, if any, are stopped)."""
         with self._cv:
             self._accepting = False
             if not drain:
@@ -219,7 +220,10 @@ class AsyncEngine:
                 self._commands.append(_Call(lambda e: self._abort_all(), None))
                 self._cv.notify()
             self._thread.join(10.0)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        self.engine.close()  # tensor parallelism: stop the worker ranks (nothing at one rank)
+        return True
 
     async def ashutdown(self, drain: bool = True, timeout: float | None = 60.0) -> bool:
         return await asyncio.to_thread(self.shutdown, drain, timeout)

@@ -268,10 +268,22 @@ class CudaGraphRunner:
     def load(self, batch: Batch) -> ForwardMetadata:
         """Upload a decode-only batch into its bucket's static inputs; returns that bucket's
         metadata (rows past the batch are padding)."""
+        return self.load_packed(self.pack(batch), len(batch.decodes))
+
+    def pack(self, batch: Batch) -> np.ndarray:
+        """The host side of `load`: the bucket's prefix of the static buffer (under tensor
+        parallelism rank 0 packs it once and every rank uploads it with `load_packed`)."""
         assert not batch.prefills and batch.decodes, (
             "CUDA-graph path needs a decode-only batch (num_decodes == batch size)")
         bs = choose_bucket(self.buckets, len(batch.decodes))
-        self._load(batch, bs)
+        return pack_decode_batch(batch, bs, self.layout, page_size=self.page_size,
+                                 scratch_page=self.scratch_page)
+
+    def load_packed(self, packed: np.ndarray, n: int) -> ForwardMetadata:
+        """Upload `pack`'s array of an `n`-row batch; returns its bucket's metadata."""
+        bs = choose_bucket(self.buckets, n)
+        assert packed.size == self.layout.prefix_len(bs), "packed for another bucket"
+        copy_into(packed, self.buf)
         return self.metas[bs]
 
     def replay(self, n: int) -> torch.Tensor:

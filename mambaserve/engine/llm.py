@@ -17,7 +17,9 @@ class LLM:
 
     `model`: a checkpoint folder in Hugging Face format (config.json, safetensors, tokenizer.json);
     None takes the embedded default model. Engine settings are keyword arguments named like the
-    fields of `EngineConfig` (dtype, device, max_num_seqs, chunked_prefill_size, ...).
+    fields of `EngineConfig` (dtype, device, max_num_seqs, chunked_prefill_size,
+    tensor_parallel_size, ...). With tensor_parallel_size N > 1, N - 1 worker processes run
+    beside this one until `close()` (or the end of a `with LLM(...) as llm:` block).
     """
 
     def __init__(self, model: str | Path | None = None, **engine_kwargs) -> None:
@@ -31,6 +33,16 @@ class LLM:
                              f"{sorted(EngineConfig.__dataclass_fields__)}")
         self.engine = LLMEngine(model, EngineConfig(**engine_kwargs))
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (nothing to do at one rank)."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

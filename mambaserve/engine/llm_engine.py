@@ -9,37 +9,39 @@ docs/architecture.md ("The step loop")."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import random
+import weakref
 from pathlib import Path
 
 import torch
 
-from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.radix_cache import PrefixCache
-from mambaserve.cache.state_pool import StatePool
-from mambaserve.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from mambaserve.config import EngineConfig, ModelConfig, resolve_device
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
 from mambaserve.engine.prompt import prompt_ids, validate_prompt_ids
+from mambaserve.engine.rank_setup import build_rank
 from mambaserve.engine.request import Request, Status
-from mambaserve.engine.runner import ModelRunner, StepHandle
+from mambaserve.engine.runner import StepHandle
 from mambaserve.engine.sampling_params import SamplingParams
 from mambaserve.engine.scheduler import DRAIN, Scheduler
 from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.stop_checker import StopChecker
 from mambaserve.engine.tokenizer import Tokenizer
-from mambaserve.models.loader import load_model, weight_bytes
 from mambaserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("mambaserve")
-DEFAULT_CPU_BUDGET = 1 << 30
 
 
 class LLMEngine:
-    def __init__(self, model_path: str | Path, config: EngineConfig) -> None:
+    def __init__(self, model_path: str | Path, config: EngineConfig, *,
+                 _tp_fault: tuple[int, int, str] | None = None) -> None:
+        """`_tp_fault` is a test hook: (rank, step, "raise" | "exit") makes that tensor-parallel
+        worker fail when it receives its step-th step (distributed/worker.py)."""
         config.validate()
         self.config = config
         path = Path(model_path)
@@ -47,19 +49,37 @@ class LLMEngine:
         self.device = torch.device(resolve_device(config.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device.type)
-        self.ssm_dtype = resolve_dtype(config.mamba_ssm_dtype)
-        self.model = load_model(path, self.dtype, self.device, self.model_config,
-                                config.load_format, config.seed, config.quantization,
-                                config.quantization_exclude)
-        self.weight_bytes, self.expert_weight_bytes = weight_bytes(self.model)
-        logger.info("weights: %.2f GiB (%s)", self.weight_bytes / 2**30,
-                    f"routed experts {self.expert_weight_bytes / 2**30:.2f} GiB"
-                    if self.expert_weight_bytes else "no routed experts")
-        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.snapshot_interval = self._snapshot_interval()
-        self.state_pool, self.kv_pool = self._make_pools()
+        # tensor parallelism: ranks 1..N-1 run in worker processes (distributed/launcher.py)
+        self.tp_workers = None
+        if config.tensor_parallel_size > 1:
+            from mambaserve.distributed.launcher import TPWorkers
+
+            self.tp_workers, self.device = TPWorkers.start(
+                path, dataclasses.replace(config, device=str(self.device)), _tp_fault)
+        try:
+            rank = build_rank(path, config, self.model_config, self.device, self.max_model_len,
+                              self.tp_workers.tp if self.tp_workers else None,
+                              self.tp_workers.ctx.agree if self.tp_workers else None)
+        except BaseException as e:
+            if self.tp_workers is not None:  # stop the workers, whatever they are doing
+                # rank 0's own ValueError (a shape that does not shard, a budget too small) is
+                # the clear one: the workers met the same
+                failure = None if isinstance(e, ValueError) else self._tp_failure(e, wait_s=2.0)
+                self.tp_workers.close(timeout_s=0.0)
+                if failure is not None:
+                    raise failure from e
+            raise
+        self.rank = rank
+        self.model, self.state_pool, self.kv_pool = rank.model, rank.state_pool, rank.kv_pool
+        self.runner = rank.runner
+        self.dtype, self.ssm_dtype = rank.dtype, rank.ssm_dtype
+        self.weight_bytes, self.expert_weight_bytes = rank.weight_bytes, rank.expert_weight_bytes
+        if self.tp_workers is not None:
+            self.runner.send_step = self.tp_workers.send_step
+            weakref.finalize(self, self.tp_workers.close)  # collected or at exit: stop them
+        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.prefix_cache = PrefixCache(self.snapshot_interval, self.state_pool, self.kv_pool) \
             if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
@@ -71,24 +91,10 @@ class LLMEngine:
             else self.device.type == "cuda"
         self._inflight: StepHandle | None = None  # the step launched and not collected yet
         self._scheduled: list[Batch] = []  # scheduled steps whose results are not applied yet
-        self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
         # structured output: compiles on first use (xgrammar imported then)
         self.grammars = GrammarCompiler(
             path / "tokenizer.json" if self.tokenizer is not None else None,
             self.model_config.vocab_size, self.scheduler.stop_checker.eos_token_ids)
-        eager = config.enforce_eager if config.enforce_eager is not None \
-            else self.device.type != "cuda"
-        if not eager:
-            from mambaserve.engine.cuda_graph import CudaGraphRunner
-
-            self.runner.graph_runner = CudaGraphRunner(
-                self.model, self.state_pool, self.kv_pool,
-                max_bs=min(config.cuda_graph_max_bs, config.max_num_seqs),
-                max_model_len=self.max_model_len, snapshots=config.enable_prefix_caching,
-                device=self.device)
-            self.runner.graph_runner.capture()
-            if config.cuda_graph_max_prefill_tokens:
-                self.runner.prefill_graph_runner = self._prefill_graphs(config)
         self.requests: dict[str, Request] = {}
         self._parents: dict[str, list[Request]] = {}
         self._rng = random.Random(config.seed)
@@ -130,22 +136,6 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self._counter = itertools.count()
 
-    def _prefill_graphs(self, config: EngineConfig):
-        """Prefill / mixed-step graphs (engine/prefill_graph.py), captured into the decode
-        graphs' memory pool: prefill parts up to cuda_graph_max_prefill_tokens (no more than a
-        step's token budget), decode rows up to the decode graphs' largest bucket (at most
-        MAX_MIXED_DECODES)."""
-        from mambaserve.engine.prefill_graph import MAX_MIXED_DECODES, PrefillGraphRunner
-
-        graphs = PrefillGraphRunner(
-            self.model, self.state_pool, self.kv_pool,
-            max_tokens=min(config.cuda_graph_max_prefill_tokens, config.chunked_prefill_size),
-            max_decodes=min(self.runner.graph_runner.max_bs, MAX_MIXED_DECODES),
-            max_model_len=self.max_model_len, snapshots=config.enable_prefix_caching,
-            device=self.device)
-        graphs.capture(self.runner.graph_runner.pool)
-        return graphs
-
     def _snapshot_interval(self) -> int:
         """Default: the smallest legal interval, lcm(chunk_size, page_size). The number of
         snapshots is set by the policy (one per request in flight, one per cached branch end or
@@ -164,53 +154,52 @@ class LLMEngine:
         return interval
 
     # ---- memory ----------------------------------------------------------------------------
-    def _make_pools(self) -> tuple[StatePool, KVPool]:
-        cfg, c = self.model_config, self.config
-        slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype, self.ssm_dtype)
-        page_bytes = KVPool.bytes_per_page(cfg, c.page_size, self.dtype)
-        budget = c.memory_budget_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * c.gpu_memory_utilization) - (2 << 30)  # activations
-            else:
-                budget = DEFAULT_CPU_BUDGET
-        pages_per_seq = -(-self.max_model_len // c.page_size)
-        # with prefix caching a request may hold a private snapshot slot besides its live one,
-        # and cached snapshots need slots of their own
-        want_slots = c.max_num_seqs * 3 + 8 if c.enable_prefix_caching else c.max_num_seqs
-        if page_bytes == 0:  # no attention layers: pages are free bookkeeping
-            num_slots = min(want_slots, budget // max(slot_bytes, 1))
-            num_pages = max(1, num_slots) * pages_per_seq
-        else:
-            # never more pages than every sequence at full length (twice that for cached
-            # prefixes); when slots and pages both fit, take exactly that, else split the budget
-            full = c.max_num_seqs * pages_per_seq * (2 if c.enable_prefix_caching else 1)
-            if want_slots * slot_bytes + full * page_bytes <= budget:
-                num_slots, num_pages = want_slots, full
-            else:
-                num_slots = min(want_slots, (budget // 2) // max(slot_bytes, 1))
-                num_pages = min((budget - num_slots * slot_bytes) // page_bytes, full)
-        if num_slots < 1 or num_pages < 1:
-            raise ValueError(
-                f"memory budget of {budget / 2**20:.1f} MiB is too small: one state slot needs "
-                f"{slot_bytes / 2**20:.2f} MiB and one KV page {page_bytes / 2**20:.3f} MiB")
-        sp = StatePool(cfg, int(num_slots), self.dtype, self.ssm_dtype, self.device)
-        kv = KVPool(cfg, int(num_pages), c.page_size, self.dtype, self.device)
-        logger.info("state pool: %d slots x %.2f MiB = %.1f MiB (ssm state %s); KV pool: %d pages "
-                    "x %d tokens = %.1f MiB", sp.num_slots, slot_bytes / 2**20, sp.nbytes / 2**20,
-                    self.ssm_dtype, kv.num_pages, c.page_size, kv.nbytes / 2**20)
-        return sp, kv
-
     def memory_report(self) -> dict:
-        return {"weight_bytes": self.weight_bytes,
-                "expert_weight_bytes": self.expert_weight_bytes,
-                "state_slots": self.state_pool.num_slots,
-                "state_bytes": self.state_pool.nbytes,
-                "state_bytes_per_slot": StatePool.bytes_per_slot(
-                    self.model_config, self.dtype, self.ssm_dtype),
-                "kv_pages": self.kv_pool.num_pages, "kv_page_size": self.kv_pool.page_size,
-                "kv_bytes": self.kv_pool.nbytes}
+        """This rank's weights and pools (rank 0 under tensor parallelism); with N > 1 ranks
+        also `tensor_parallel_size` and `ranks`, every rank's report in rank order."""
+        own = self.rank.memory_report()
+        report = {k: v for k, v in own.items() if k not in ("device", "tp_rank")}
+        if self.tp_workers is not None:
+            report["tensor_parallel_size"] = self.config.tensor_parallel_size
+            report["ranks"] = self.call_ranks("memory_report", own)
+        return report
+
+    # ---- tensor parallelism -----------------------------------------------------------------
+    def call_ranks(self, name: str, own, *args) -> list:
+        """Ask every rank (worker.Follower.call_<name>); their answers in rank order."""
+        try:
+            return self.tp_workers.call(name, own, *args)
+        except BaseException as e:
+            failure = self._tp_failure(e)
+            if failure is not None:
+                raise failure from e
+            raise
+
+    def _tp_failure(self, error: BaseException, wait_s: float = 5.0) -> BaseException | None:
+        """After `error`: when a tensor-parallel rank died, the TPWorkerError naming it (the
+        workers are closed: the engine cannot continue); else None."""
+        workers = self.tp_workers
+        if workers is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
+            return None
+        reason = workers.failure(wait_s=wait_s)
+        if reason is None:
+            return None
+        workers.close(timeout_s=2.0)
+        from mambaserve.distributed.launcher import TPWorkerError
+
+        return error if isinstance(error, TPWorkerError) else TPWorkerError(reason)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at one rank). Idempotent; the engine
+        runs no step after it."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict | list[int],
@@ -295,13 +284,22 @@ class LLMEngine:
         one (no overlap); returns the outputs the collected step changed. A step that cannot
         run ahead (a request needs its last token on the host, or a request with a row in
         flight must be preempted) first collects the step in flight."""
+        if self.tp_workers is not None and self.tp_workers.closed:
+            why = (self.tp_workers.failed or "close()").splitlines()[0]
+            raise RuntimeError(f"the engine was closed (tensor-parallel workers stopped: {why})")
         try:
             done = self._step()
-        except BaseException:
+        except BaseException as e:
             # nothing of a step that raised is in flight any more: forget its rows
             for batch in self._scheduled:
                 self.scheduler.abandon(batch)
             self._scheduled, self._inflight = [], None
+            if self.tp_workers is not None:
+                failure = self._tp_failure(e)
+                # a step that raised may have left the ranks out of step: the engine stops
+                self.tp_workers.close(timeout_s=2.0)
+                if failure is not None and failure is not e:
+                    raise failure from e
             raise
         touched: dict[str, None] = {}
         for changed in done:

@@ -338,9 +338,17 @@ class PrefillGraphRunner:
     def load(self, batch: Batch) -> ForwardMetadata:
         """Plan the step, upload it into its bucket's static inputs (one copy), copy its
         prefix-cache restores; returns the bucket's metadata."""
-        key = self.bucket_of(batch)
+        return self.load_planned(*self.plan(batch))
+
+    def plan(self, batch: Batch) -> tuple[tuple[int, int], HostMetadata]:
+        """The host side of `load`: the step's bucket and its eager metadata (under tensor
+        parallelism rank 0 plans once and every rank loads it with `load_planned`)."""
         host = plan_metadata(batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel,
                              page_size=self.page_size, scratch_page=self.scratch_page)
+        return self.bucket_of(batch), host
+
+    def load_planned(self, key: tuple[int, int], host: HostMetadata) -> ForwardMetadata:
+        """Upload `plan`'s metadata into bucket `key` and copy its restores."""
         self._upload(host, key)
         n = host.num_restores
         if n:  # whole states of every Mamba layer: the real count only, outside the graph

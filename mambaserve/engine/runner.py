@@ -27,12 +27,13 @@ import torch
 
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.state_pool import StatePool
+from mambaserve.distributed.group import TPGroup
 from mambaserve.engine.batch import Batch, RowResult
 from mambaserve.engine.penalty_state import PenaltyState
 from mambaserve.engine.sampling_metadata import SamplingMetadata, SamplingPlan
 from mambaserve.host_upload import upload
 from mambaserve.layers.sampler import compute_logprobs, sample
-from mambaserve.metadata import plan_metadata
+from mambaserve.metadata import ForwardMetadata, HostMetadata, plan_metadata
 
 FEED = "feed."  # names of the token-feed arrays inside a shared upload
 
@@ -69,6 +70,24 @@ def feed_arrays(batch: Batch, decode_offset: int = 0) -> dict[str, np.ndarray]:
             FEED + "sample_slot": np.array(slots, dtype=np.int64)}
 
 
+@dataclass
+class ForwardInput:
+    """The host side of one forward, all a rank needs to run it: rank 0 builds it once per step
+    and, under tensor parallelism, broadcasts it to the other ranks (distributed/step_broadcast.py)."""
+
+    host: HostMetadata | None  # eager forward: the metadata (its arrays ride in the upload)
+    packed: np.ndarray | None  # CUDA-graph forward: the bucket's packed static inputs
+    num_rows: int  # rows of the batch (a graph forward: its decode rows)
+    feed: dict[str, np.ndarray]  # feed_arrays(batch)
+    # a prefill / mixed-step graph forward (engine/prefill_graph.py): its bucket; `host` is then
+    # the step's eager metadata, which the bucket's packing pads
+    prefill_bucket: tuple[int, int] | None = None
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.feed[FEED + "sample_slot"])
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, state_pool: StatePool, kv_pool: KVPool,
                  device: torch.device) -> None:
@@ -81,6 +100,9 @@ class ModelRunner:
         self.busy_seconds = 0.0  # device time of collected steps (CPU: their wall time)
         self.graph_runner = None  # engine/cuda_graph.CudaGraphRunner when graphs are enabled
         self.prefill_graph_runner = None  # engine/prefill_graph.PrefillGraphRunner, likewise
+        # tensor parallelism: this rank's group, and on rank 0 the step's broadcast to the others
+        self.tp = TPGroup.single()
+        self.send_step: Callable[[ForwardInput], None] | None = None
         # per-request token counts for penalties (device rows allocated on first use)
         self.penalties = PenaltyState(cfg.vocab_size, device)
         # labels the phases of a step for the sync audit (tools/sync_audit.py)
@@ -102,42 +124,12 @@ class ModelRunner:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         plan = SamplingPlan.from_batch(batch, self.penalties)
-        graphs, prefill_graphs = self.graph_runner, self.prefill_graph_runner
-        if prefill_graphs is not None and prefill_graphs.can_run(batch):
-            # small prefill part (+ decode rows): a padded bucket (engine/prefill_graph.py)
-            feed = feed_arrays(batch, prefill_graphs.decode_offset(batch))
-            tensors = upload({**plan.arrays, **feed}, self.device)
-            sampling = SamplingMetadata.on_device(plan, tensors)
-            meta = prefill_graphs.load(batch)
-            self._feed(meta.input_ids, tensors)
-            if self.on_forward is not None:
-                self.on_forward(batch, meta)
-            with self.section("forward"):
-                logits = prefill_graphs.replay()
-        elif graphs is not None and graphs.can_run(batch):
-            # decode-only batch: static buffers + captured graph (engine/cuda_graph.py)
-            feed = feed_arrays(batch)
-            tensors = upload({**plan.arrays, **feed}, self.device)
-            sampling = SamplingMetadata.on_device(plan, tensors)
-            meta = graphs.load(batch)
-            self._feed(meta.input_ids, tensors)  # into the graph's static input_ids
-            if self.on_forward is not None:
-                self.on_forward(batch, meta)
-            with self.section("forward"):
-                logits = graphs.replay(len(batch.decodes))
-        else:
-            feed = feed_arrays(batch)
-            host = plan_metadata(batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel,
-                                 page_size=self.kv_pool.page_size,
-                                 scratch_page=self.kv_pool.scratch_page)
-            tensors = upload({**host.arrays, **plan.arrays, **feed}, self.device)  # one upload
-            meta, sampling = host.on_device(tensors), SamplingMetadata.on_device(plan, tensors)
-            self._feed(meta.input_ids, tensors)
-            if self.on_forward is not None:
-                self.on_forward(batch, meta)
-            with self.section("forward"):
-                logits = self.model(meta, self.state_pool.conv_state, self.state_pool.ssm_state,
-                                    self.kv_pool.kv_cache)
+        fwd = self.plan_forward(batch)
+        if self.send_step is not None:  # tensor parallelism: the other ranks run it too
+            self.send_step(fwd)
+        hook = None if self.on_forward is None else (lambda meta: self.on_forward(batch, meta))
+        tensors, logits = self.forward(fwd, plan.arrays, hook)
+        sampling = SamplingMetadata.on_device(plan, tensors)
         with self.section("sampler"):
             parts = self._sample(sampling, logits, tensors[FEED + "sample_slot"])
         host_out = done = None
@@ -151,6 +143,65 @@ class ModelRunner:
             done = end
         return StepHandle(batch, plan, host_out, done, start, end,
                           0.0 if cuda else time.perf_counter() - t0)
+
+    def plan_forward(self, batch: Batch) -> ForwardInput:
+        """The host side of the step's forward: a CUDA-graph replay for a decode-only batch
+        that fits a captured bucket, else the eager forward's metadata."""
+        prefill_graphs = self.prefill_graph_runner
+        if prefill_graphs is not None and prefill_graphs.can_run(batch):
+            # small prefill part (+ decode rows): a padded bucket; its decode rows sit after
+            # the bucket's prefill rows, so their fed tokens go there
+            key, host = prefill_graphs.plan(batch)
+            feed = feed_arrays(batch, prefill_graphs.decode_offset(batch))
+            return ForwardInput(host, None, len(batch.rows), feed, prefill_bucket=key)
+        feed = feed_arrays(batch)
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(batch):
+            return ForwardInput(None, graphs.pack(batch), len(batch.decodes), feed)
+        host = plan_metadata(batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel,
+                             page_size=self.kv_pool.page_size,
+                             scratch_page=self.kv_pool.scratch_page)
+        return ForwardInput(host, None, len(batch.rows), feed)
+
+    def forward(self, fwd: ForwardInput, extra: dict[str, np.ndarray],
+                hook: Callable[[ForwardMetadata], None] | None = None
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Upload (with the `extra` arrays: the sampling plan's), take the tokens still on the
+        device from the token buffer, run the forward; returns the uploaded tensors and the
+        logits. The same on every tensor-parallel rank."""
+        if fwd.prefill_bucket is not None:  # small prefill part: its bucket's static inputs
+            tensors = upload({**extra, **fwd.feed}, self.device)
+            meta = self.prefill_graph_runner.load_planned(fwd.prefill_bucket, fwd.host)
+        elif fwd.packed is not None:  # decode-only batch: static buffers + captured graph
+            tensors = upload({**extra, **fwd.feed}, self.device)
+            meta = self.graph_runner.load_packed(fwd.packed, fwd.num_rows)
+        else:
+            tensors = upload({**fwd.host.arrays, **extra, **fwd.feed}, self.device)  # one upload
+            meta = fwd.host.on_device(tensors)
+        self._feed(meta.input_ids, tensors)  # (a graph step: into its static input_ids)
+        if hook is not None:
+            hook(meta)
+        with self.section("forward"):
+            if fwd.prefill_bucket is not None:
+                logits = self.prefill_graph_runner.replay()
+            elif fwd.packed is not None:
+                logits = self.graph_runner.replay(fwd.num_rows)
+            else:
+                logits = self.model(meta, self.state_pool.conv_state, self.state_pool.ssm_state,
+                                    self.kv_pool.kv_cache)
+        return tensors, logits
+
+    @torch.inference_mode()
+    def run_follower(self, fwd: ForwardInput) -> None:
+        """A tensor-parallel rank other than 0 runs rank 0's step: the same upload and forward,
+        then it receives the sampled tokens rank 0 broadcasts (the sampler runs on rank 0 only)
+        into its token buffer. Nothing is read back."""
+        tensors, _ = self.forward(fwd, {})
+        if fwd.num_sampled:
+            with self.section("sampler"):
+                ids = torch.empty(fwd.num_sampled, dtype=torch.int64, device=self.device)
+                self.tp.broadcast(ids, src=0)
+                self.token_buf.index_copy_(0, tensors[FEED + "sample_slot"], ids)
 
     def collect(self, handle: StepHandle) -> list[RowResult]:
         """Wait for a launched step's read-back (the step's one sync) and unpack its results."""
@@ -174,6 +225,8 @@ class ModelRunner:
         plan, parts = sampling.plan, []
         if plan.sample_rows:
             out = sample(logits.index_select(0, sampling.sample_logit_idx), sampling.params)
+            if self.tp.tp_size > 1:  # the other ranks' token buffers (run_follower)
+                self.tp.broadcast(out.token_ids.contiguous(), src=0)
             self.token_buf.index_copy_(0, sample_slots, out.token_ids)
             parts += [out.token_ids.double(), out.logprobs.double()]
             if plan.num_logprobs:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mambaserve.engine.batch import Batch
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.engine.sampling_params import SamplingParams
-from mambaserve.engine.batch import Batch
 from mambaserve.tools.sync_audit import (
     CPU_ONLY_ALLOWED,
     AllowedSync,
@@ -48,11 +48,14 @@ class ScenarioResult:
     expected_readbacks: int = 0  # forwards whose results the host needs (a row samples)
     by_layer_kind: Counter = field(default_factory=Counter)
     sites: Counter = field(default_factory=Counter)
+    # tensor parallelism: the other ranks' syncs in these forwards (they read nothing back)
+    worker_syncs: Counter = field(default_factory=Counter)  # rank -> syncs in its steps
 
     @property
     def ok(self) -> bool:
         return self.forward_syncs == 0 and self.sampler_syncs == 0 and \
-            self.step_syncs == self.readback_syncs == self.expected_readbacks
+            self.step_syncs == self.readback_syncs == self.expected_readbacks and \
+            not sum(self.worker_syncs.values())
 
 
 def classify(batch: Batch) -> list[str]:
@@ -107,14 +110,19 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
                  ("h2", {"prompt_token_ids": long + prompt(9)["prompt_token_ids"]}, 21)]
     current: dict[str, str] = {}
 
+    launched: list[list[str]] = []  # each launched forward's kinds, in launch order
+
     def on_forward(batch: Batch, meta) -> None:
         current["kinds"] = classify(batch)
+        launched.append(current["kinds"])
         current["readback"] = any(r.samples or r.request.params.prompt_logprobs is not None
                                   for r in batch.rows)
 
     engine.runner.on_forward = on_forward
     allow = ENGINE_ALLOWED + CPU_ONLY_ALLOWED
     step = 0
+    if engine.tp_workers is not None:  # every other rank audits the steps it runs
+        engine.call_ranks("audit", None, True)
     try:
         last_add = max(at for _, _, at in plan)
         while step <= last_add or engine.has_unfinished_requests():
@@ -144,7 +152,24 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
                     r.sites[f"[{e.section}] {e.op} at {e.site}"] += 1
     finally:
         engine.runner.on_forward = None
+        if engine.tp_workers is not None:
+            _add_worker_audits(results, launched, engine.call_ranks("audit", None, False))
     return results
+
+
+def _add_worker_audits(results: dict[str, ScenarioResult], launched: list[list[str]],
+                       per_rank: list) -> None:
+    """The other ranks' audits (one entry per step they ran, in launch order) into the
+    scenarios of rank 0's forwards."""
+    for rank, steps in enumerate(per_rank[1:], 1):
+        if len(steps) != len(launched):
+            raise RuntimeError(f"rank {rank} audited {len(steps)} steps, rank 0 launched "
+                               f"{len(launched)}")
+        for kinds, audit in zip(launched, steps):
+            for kind in kinds:
+                results[kind].worker_syncs[rank] += audit["total"]
+                for site in audit["sites"]:
+                    results[kind].sites[f"(rank {rank}) {site}"] += 1
 
 
 def format_report(results: dict[str, ScenarioResult]) -> str:
@@ -159,6 +184,8 @@ def format_report(results: dict[str, ScenarioResult]) -> str:
                      f"{r.sampler_syncs / r.forwards:>9.2f}{r.step_syncs / r.forwards:>12.2f}"
                      f"{r.expected_readbacks / r.forwards:>10.2f}  "
                      f"{'ok' if r.ok else 'SYNCS'}")
+        for rank, n in sorted(r.worker_syncs.items()):
+            lines.append(f"    rank {rank}: {n / r.forwards:.2f} syncs/forward")
         for kind, n in sorted(r.by_layer_kind.items()):
             lines.append(f"    forward syncs in {kind} layers: {n}")
         for site, n in r.sites.most_common():
@@ -176,17 +203,23 @@ def run_cli(args: argparse.Namespace) -> int:
         engine = LLMEngine(args.model or default_model_path(), replace(
             flags, chunked_prefill_size=min(flags.chunked_prefill_size, 64),
             enable_prefix_caching=caching))
-        results = run_scenarios(engine)
-        print(f"== prefix caching {'on' if caching else 'off'} ==")
-        print(format_report(results))
-        if engine.device.type == "cuda":
-            print(cuda_profile_report(engine))
+        try:
+            results = run_scenarios(engine)
+            ranks = flags.tensor_parallel_size
+            print(f"== prefix caching {'on' if caching else 'off'}"
+                  f"{f', {ranks} tensor-parallel ranks' if ranks > 1 else ''} ==")
+            print(format_report(results))
+            if engine.device.type == "cuda":
+                print(cuda_profile_report(engine))
+        finally:
+            engine.close()
         missing += [k for k, r in results.items() if not r.forwards]
         bad += [k for k, r in results.items() if r.forwards and not r.ok]
     if bad or missing:
         print(f"FAIL: syncs in {bad}; scenarios that did not occur: {missing}")
         return 1
-    print("OK: zero host syncs inside every forward; one read-back per step")
+    print("OK: zero host syncs inside every forward; one read-back per step"
+          + (" (rank 0), none on the other ranks" if flags.tensor_parallel_size > 1 else ""))
     return 0
 
 

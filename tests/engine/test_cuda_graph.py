@@ -130,8 +130,8 @@ def test_static_buffer_path_matches_eager_on_cpu(tiny_ckpt, prefix):
     assert eager.engine.runner.graph_runner is None and gr is not None
     assert gr.buckets == [1, 2, 4] and gr.max_kv_len == 96
     sizes = []
-    load = gr.load
-    gr.load = lambda batch: (sizes.append(len(batch.decodes)), load(batch))[1]
+    load = gr.load_packed  # (the runner packs on the host, then loads: tensor parallelism)
+    gr.load_packed = lambda packed, n: (sizes.append(n), load(packed, n))[1]
     prompts = _prompts()
     assert _generate(graph, prompts, params) == _generate(eager, prompts, params)
     assert sizes and 3 in sizes  # bucket 4 with one padding row was used
@@ -146,8 +146,8 @@ def test_mixed_batches_run_eagerly(tiny_ckpt):
               max_num_seqs=4, chunked_prefill_size=24)
     gr = llm.engine.runner.graph_runner
     seen = []
-    load = gr.load
-    gr.load = lambda batch: (seen.append(batch), load(batch))[1]
+    pack = gr.pack  # the host side of a graph step's load
+    gr.pack = lambda batch: (seen.append(batch), pack(batch))[1]
     prompts = _prompts()
     _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert seen and all(not p.prefills for p in seen)
@@ -190,9 +190,9 @@ def _all_tokens(llm, prompts, params):
 
 def _count_device_fed_graph_rows(llm):
     gr, seen = llm.engine.runner.graph_runner, []
-    load = gr.load
-    gr.load = lambda batch: (seen.append(sum(r.input_on_device for r in batch.rows)),
-                             load(batch))[1]
+    pack = gr.pack  # the host side of a graph step's load
+    gr.pack = lambda batch: (seen.append(sum(r.input_on_device for r in batch.rows)),
+                             pack(batch))[1]
     return seen
 
 
