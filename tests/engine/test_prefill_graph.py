@@ -254,8 +254,8 @@ def _tokens(llm, prompts):
 
 def _record_loads(llm):
     seen, graphs = [], llm.engine.runner.prefill_graph_runner
-    load = graphs.load
-    graphs.load = lambda batch: (seen.append(batch), load(batch))[1]
+    plan = graphs.plan  # the runner plans each graph step (then loads the plan)
+    graphs.plan = lambda batch: (seen.append(batch), plan(batch))[1]
     return seen
 
 
