@@ -163,7 +163,7 @@ stage_load-sweep() {  # closed loop and Poisson 8 req/s at each prefill cap (LOA
     local dir=$W/preset port=8130
     $PY -c "from mambaserve.bench.presets import preset_config, write_config; \
 write_config(preset_config('$PRESET'), '$dir')"
-    [ -f "$W/one_batch_ideal.json" ] || run load-ideal 240 $MS bench one-batch --preset $PRESET \
+    [ -f "$W/one_batch_ideal.json" ] || [ -n "${LOAD_NO_IDEAL:-}" ] || run load-ideal 240 $MS bench one-batch --preset $PRESET \
         --device cuda --dtype bfloat16 --batch-size 8,64 --input-len 1024 --output-len 32 \
         --engine enforce_eager=false,chunked_prefill_size=8192 --out "$W/one_batch_ideal.json"
     for cap in ${LOAD_CAPS:-256 1024 2048}; do
@@ -171,7 +171,8 @@ write_config(preset_config('$PRESET'), '$dir')"
         start_server "$dir" $port --max-step-prefill-tokens $cap
         run "sweep-closed-$cap" 120 $MS bench serve --base-url http://127.0.0.1:$port \
             --dataset random --input-len 1024 --output-len 256 --num-prompts 128 \
-            --max-concurrency 64 --ideal-from "$W/one_batch_ideal.json" --disable-tqdm \
+            --max-concurrency 64 \
+            ${LOAD_NO_IDEAL:---ideal-from "$W/one_batch_ideal.json"} --disable-tqdm \
             --out "$W/sweep_closed_$cap.json" --plot "$W/sweep_closed_$cap.png"
         run "sweep-rate8-$cap" 90 $MS bench serve --base-url http://127.0.0.1:$port \
             --dataset random --input-len 1024 --output-len 256 --num-prompts 120 --request-rate 8 \
