@@ -235,7 +235,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     # steps with a prefill part of at most this many tokens replay prefill / mixed CUDA graphs
     # when graphs are on (engine/prefill_graph.py); 0 = those steps always run eagerly
-    cuda_graph_max_prefill_tokens: int = 256
+    cuda_graph_max_prefill_tokens: int = 0
     # "auto": safetensors weights; "dummy": random weights at the config's shapes (benchmarks)
     load_format: str = "auto"
     # overlap scheduling (docs/architecture.md, "The step loop"): None = on when the device is

@@ -268,7 +268,7 @@ def test_engine_outputs_with_prefill_graphs_on_and_off(tiny_ckpt, prefix, overla
           "enable_prefix_caching": prefix, "enforce_eager": False, "cuda_graph_max_bs": 4,
           "async_scheduling": overlap}
     off = LLM(tiny_ckpt, cuda_graph_max_prefill_tokens=0, **kw)
-    on = LLM(tiny_ckpt, **kw)
+    on = LLM(tiny_ckpt, cuda_graph_max_prefill_tokens=256, **kw)
     assert off.engine.runner.prefill_graph_runner is None
     seen = _record_loads(on)
     prompts = _prompts()
@@ -289,7 +289,7 @@ def test_engine_with_falcon_h1(falcon_ckpt):
     kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24, "device": "cpu",
           "enable_prefix_caching": True, "cuda_graph_max_bs": 4}
     eager = LLM(falcon_ckpt, **kw)
-    on = LLM(falcon_ckpt, enforce_eager=False, **kw)
+    on = LLM(falcon_ckpt, enforce_eager=False, cuda_graph_max_prefill_tokens=256, **kw)
     seen = _record_loads(on)
     prompts = _prompts()
     assert _tokens(on, prompts) == _tokens(eager, prompts) and seen
@@ -311,7 +311,8 @@ class _FakeGraph:
 def test_capture_and_replay_plumbing_with_a_fake_cuda(tiny_ckpt, monkeypatch):
     kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24, "device": "cpu"}
     eager = LLM(tiny_ckpt, **kw)
-    llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, **kw)
+    llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4,
+              cuda_graph_max_prefill_tokens=256, **kw)
     graphs = llm.engine.runner.prefill_graph_runner
     order = []
 
@@ -370,7 +371,8 @@ def test_prefill_graphs_match_eager_on_gpu(tiny_ckpt, falcon_ckpt, prefix):
     for ckpt in (tiny_ckpt, falcon_ckpt):
         kw = {"device": "cuda", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
               "chunked_prefill_size": 32, "enable_prefix_caching": prefix,
-              "memory_budget_bytes": 64 << 20, "cuda_graph_max_bs": 8}
+              "memory_budget_bytes": 64 << 20, "cuda_graph_max_bs": 8,
+              "cuda_graph_max_prefill_tokens": 256}
         eager = LLM(ckpt, enforce_eager=True, **kw)
         graph = LLM(ckpt, **kw)
         pg = graph.engine.runner.prefill_graph_runner
