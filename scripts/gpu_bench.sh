@@ -155,9 +155,11 @@ write_config(preset_config('$PRESET'), '$dir')"
     run load-multiturn-on 200 $MS bench serve --base-url http://127.0.0.1:8124 $mt \
         --disable-tqdm --out "$W/load_multiturn_on.json"
     stop_server 8124 cache
-    run load-profile 180 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
-        --batch-size 64 --input-len 1024 --steps 16 --engine enforce_eager=false \
-        --out "$W/profile_decode_load.json"
+    for a in false true; do  # the device's idle share in decode steps, synchronous vs overlapped
+        run "load-profile-async-$a" 180 $MS bench profile --preset $PRESET --device cuda \
+            --dtype bfloat16 --batch-size 64 --input-len 1024 --steps 16 \
+            --engine enforce_eager=false,async_scheduling=$a --out "$W/profile_decode_async_$a.json"
+    done
 }
 stage_load-sweep() {  # closed loop and Poisson 8 req/s at each prefill cap (LOAD_CAPS)
     local dir=$W/preset port=8130
