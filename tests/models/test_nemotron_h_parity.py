@@ -9,7 +9,7 @@ from mambaserve import LLM, SamplingParams
 
 def hf_prompt_logprobs(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0]
+        logits = hf(torch.tensor([ids]), use_cache=False).logits[0]
     lp = torch.log_softmax(logits.float(), -1)
     return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
