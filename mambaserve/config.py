@@ -244,6 +244,10 @@ class EngineConfig:
     # prefill tokens of one step while decodes run (the ITL / TTFT trade-off in
     # docs/architecture.md); steps without decodes take up to chunked_prefill_size
     max_step_prefill_tokens: int = 2048
+    # the tighter cap while decodes run and the prompt tokens still to prefill are at most
+    # max_step_prefill_tokens (steady arrivals); None: the largest prefill-graph bucket when
+    # prefill graphs are on (cuda_graph_max_prefill_tokens), else no tighter cap
+    steady_step_prefill_tokens: int | None = None
     # on-the-fly weight quantization after loading a bf16 / fp32 checkpoint: None or "fp8"
     # (docs/quantization.md); an FP8 checkpoint loads as FP8 whatever this says
     quantization: str | None = None
@@ -287,6 +291,8 @@ class EngineConfig:
               f"must be >= 0 (0 = off), got {self.cuda_graph_max_prefill_tokens}")
         check(self.max_step_prefill_tokens >= 1, "max_step_prefill_tokens",
               f"must be >= 1, got {self.max_step_prefill_tokens}")
+        check(self.steady_step_prefill_tokens is None or self.steady_step_prefill_tokens >= 1,
+              "steady_step_prefill_tokens", f"must be >= 1, got {self.steady_step_prefill_tokens}")
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         check(self.load_format in ("auto", "dummy"), "load_format",
@@ -387,6 +393,11 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
         type=int, help="prefill tokens per step while decodes run: lower keeps inter-token "
                        "latency flat, higher gives a new request its first token sooner "
                        "(default: %(default)s)")),
+    "steady_step_prefill_tokens": ("--steady-step-prefill-tokens", dict(
+        type=int, help="the tighter prefill cap while decodes run and the prompt tokens still to "
+                       "prefill fit in --max-step-prefill-tokens (steady arrivals keep ITL near "
+                       "a decode step); default: the largest prefill-graph bucket when "
+                       "--cuda-graph-max-prefill-tokens is on, else none")),
     "quantization": ("--quantization", dict(
         choices=["fp8"], help="quantize the linear projections to FP8 after loading a bf16 / "
                               "fp32 checkpoint (per-channel weight scales, per-token "

@@ -170,7 +170,7 @@ write_config(preset_config('$PRESET'), '$dir')"
         --engine enforce_eager=false,chunked_prefill_size=8192 --out "$W/one_batch_ideal.json"
     for cap in ${LOAD_CAPS:-256 1024 2048}; do
         port=$((port + 1))
-        start_server "$dir" $port --max-step-prefill-tokens $cap
+        start_server "$dir" $port --max-step-prefill-tokens $cap ${SWEEP_FLAGS:-}
         run "sweep-closed-$cap" 120 $MS bench serve --base-url http://127.0.0.1:$port \
             --dataset random --input-len 1024 --output-len 256 --num-prompts 128 \
             --max-concurrency 64 \

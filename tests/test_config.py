@@ -95,7 +95,8 @@ def test_every_engine_field_has_a_flag():
             "--cuda-graph-max-bs", "8", "--cuda-graph-max-prefill-tokens", "64",
             "--load-format", "dummy", "--async-scheduling",
             "--max-step-prefill-tokens", "128", "--quantization", "fp8",
-            "--quantization-exclude", "lm_head,*.o_proj", "--tensor-parallel-size", "2"]
+            "--quantization-exclude", "lm_head,*.o_proj", "--tensor-parallel-size", "2",
+            "--steady-step-prefill-tokens", "32"]
     want = EngineConfig(dtype="bf16", device="cuda:1", max_num_seqs=7, chunked_prefill_size=96,
                         max_model_len=300, page_size=32, memory_budget_bytes=2**29,
                         gpu_memory_utilization=0.5, mamba_ssm_dtype="bfloat16",
@@ -104,7 +105,7 @@ def test_every_engine_field_has_a_flag():
                         cuda_graph_max_prefill_tokens=64, load_format="dummy",
                         async_scheduling=True, max_step_prefill_tokens=128,
                         quantization="fp8", quantization_exclude="lm_head,*.o_proj",
-                        tensor_parallel_size=2)
+                        tensor_parallel_size=2, steady_step_prefill_tokens=32)
     # every field differs from its default, so a field without a flag would fail the equality
     default = EngineConfig()
     same = [f.name for f in dataclasses.fields(EngineConfig)
@@ -134,6 +135,7 @@ def test_cli_help_shows_the_defaults_and_the_budget_unit():
     (["--cuda-graph-max-prefill-tokens", "-1"],
      r"cuda_graph_max_prefill_tokens must be >= 0 \(0 = off\), got -1"),
     (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an integer >= 1, got 0"),
+    (["--steady-step-prefill-tokens", "0"], "steady_step_prefill_tokens must be >= 1, got 0"),
 ])
 def test_bad_engine_flags_are_one_line_errors(argv, match):
     with pytest.raises(ValueError, match=match):

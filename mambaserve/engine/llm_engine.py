@@ -86,7 +86,7 @@ class LLMEngine:
             self.state_pool, self.kv_pool, config.max_num_seqs, config.chunked_prefill_size,
             StopChecker(self.tokenizer, set(self.model_config.eos_token_ids)),
             SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None,
-            config.max_step_prefill_tokens)
+            config.max_step_prefill_tokens, self._steady_prefill_cap())
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
             else self.device.type == "cuda"
         self._inflight: StepHandle | None = None  # the step launched and not collected yet
@@ -135,6 +135,14 @@ class LLMEngine:
         self.scheduler.num_preemptions, self.runner.busy_seconds = 0, 0.0
         self._rng = random.Random(self.config.seed)
         self._counter = itertools.count()
+
+    def _steady_prefill_cap(self) -> int | None:
+        """The scheduler's steady-arrival prefill cap: as configured, else the largest prefill
+        graph bucket when those graphs are captured (a slice that replays a graph)."""
+        if self.config.steady_step_prefill_tokens is not None:
+            return self.config.steady_step_prefill_tokens
+        graphs = self.runner.prefill_graph_runner
+        return graphs.token_buckets[-1] if graphs is not None else None
 
     def _snapshot_interval(self) -> int:
         """Default: the smallest legal interval, lcm(chunk_size, page_size). The number of

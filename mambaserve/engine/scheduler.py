@@ -8,8 +8,11 @@ prefill is done, the next chunk for each partially prefilled one, then admits wa
 first-come-first-served while a state slot, the KV pages of their first chunk and a place under
 `max_num_seqs` are free (head-of-line: a request that does not fit makes later ones wait). While
 decodes run, the step's prefill tokens are capped at `max_step_prefill_tokens` so a burst of
-arrivals does not stall every stream for a whole chunk. Prefill rows come first in the batch,
-decode rows last.
+arrivals does not stall every stream for a whole chunk; when the prompt tokens still to prefill
+(waiting and partly prefilled requests) are no more than that cap, the tighter
+`steady_step_prefill_tokens` applies instead (steady arrivals: small slices that keep every
+stream's inter-token latency near a decode step, e.g. slices a prefill CUDA graph replays).
+Prefill rows come first in the batch, decode rows last.
 
 KV pages on demand: a request holds the pages of the positions it has written plus those its next
 row writes. When a running request needs a page and none is free (after evicting cached
@@ -46,11 +49,15 @@ class Scheduler:
     def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_num_seqs: int,
                  token_budget: int, stop_checker: StopChecker,
                  policy: SnapshotPolicy | None = None,
-                 max_step_prefill_tokens: int | None = None) -> None:
+                 max_step_prefill_tokens: int | None = None,
+                 steady_step_prefill_tokens: int | None = None) -> None:
         self.state_pool, self.kv_pool, self.policy = state_pool, kv_pool, policy
         self.stop_checker = stop_checker
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         self.max_step_prefill_tokens = max_step_prefill_tokens or token_budget
+        self.steady_step_prefill_tokens = min(
+            steady_step_prefill_tokens or self.max_step_prefill_tokens,
+            self.max_step_prefill_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         # finished or aborted while a step holding one of their rows is in flight
@@ -76,6 +83,19 @@ class Scheduler:
         return any(r.inflight_tokens and r.params.needs_host_token_each_step
                    for r in self.running)
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to prefill: the waiting requests' and the partly prefilled ones'
+        (a prefix-cache hit will skip some of them)."""
+        return (sum(r.prefill_len - r.num_computed for r in self.waiting)
+                + sum(r.prefill_len - r.num_computed for r in self.running if not r.prefill_done))
+
+    def _prefill_cap(self) -> int:
+        """The prefill tokens a step may take while decodes run (module docstring)."""
+        cap = self.max_step_prefill_tokens
+        if self.steady_step_prefill_tokens < cap and self.prefill_backlog() <= cap:
+            return self.steady_step_prefill_tokens
+        return cap
+
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> Batch | str | None:
         """The next step's batch; None when there is nothing to run; `DRAIN` when a request
@@ -84,7 +104,7 @@ class Scheduler:
         decoding = sum(1 for r in self.running if r.prefill_done and r.num_tokens < r.max_total_len)
         budget = self.token_budget - decoding
         if decoding:
-            budget = min(budget, self.max_step_prefill_tokens)
+            budget = min(budget, self._prefill_cap())
         plan: list[tuple[Request, int, int, int]] = []  # (request, start, tokens, restore_from)
         preempted = False
         i = 0

@@ -148,6 +148,47 @@ def test_prefill_is_capped_per_step_while_decodes_run(tiny_ckpt):
     assert [done[k].outputs[0].token_ids for k in "ab"] == [o.outputs[0].token_ids for o in ref]
 
 
+def test_steady_cap_applies_while_the_prefill_backlog_fits_the_big_cap(tiny_ckpt):
+    """With decodes running: a backlog above max_step_prefill_tokens goes in max-cap slices, the
+    last max-cap tokens (and a lone small arrival) in steady_step_prefill_tokens slices; the
+    outputs do not change."""
+    kw = {"chunked_prefill_size": 64, "max_num_seqs": 4}
+    llm = LLM(tiny_ckpt, max_step_prefill_tokens=16, steady_step_prefill_tokens=4, **kw)
+    eng = llm.engine
+    assert (eng.scheduler.max_step_prefill_tokens, eng.scheduler.steady_step_prefill_tokens) \
+        == (16, 4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seen = []
+    eng.runner.on_forward = lambda batch, meta: seen.append(
+        [r.num_tokens for r in batch.prefills])
+    prompts = rand_prompts([40, 30, 10], seed=5)
+    eng.add_request("a", prompts[0], params)
+    eng.step()  # nothing decodes: a's whole prompt
+    eng.add_request("b", prompts[1], params)
+    assert eng.scheduler.prefill_backlog() == 30
+    done = {}
+    for _ in range(8):
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    # b: 30 > 16 -> a 16-token slice; then 14 <= 16 -> steady slices of 4
+    assert seen[1:6] == [[16], [4], [4], [4], [2]]
+    eng.add_request("c", prompts[2], params)  # a lone 10-token arrival: steady slices at once
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [4] in seen[9:] and [16] not in seen[6:] and [10] not in seen[6:]
+    ref = LLM(tiny_ckpt, **kw).generate(prompts, params)
+    assert [done[k].outputs[0].token_ids for k in "abc"] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_steady_cap_defaults_to_the_largest_prefill_graph_bucket(tiny_ckpt):
+    """Unset, the steady cap is the largest prefill-graph bucket where those graphs exist (the
+    uncaptured static-buffer path on a CPU), else no tighter cap than max_step_prefill_tokens."""
+    on = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_prefill_tokens=32,
+             chunked_prefill_size=64, max_num_seqs=4).engine
+    assert on.scheduler.steady_step_prefill_tokens == 32
+    off = LLM(tiny_ckpt, chunked_prefill_size=64, max_num_seqs=4).engine
+    assert off.scheduler.steady_step_prefill_tokens == off.scheduler.max_step_prefill_tokens
+
+
 def test_max_step_prefill_tokens_must_be_positive():
     import pytest
 
