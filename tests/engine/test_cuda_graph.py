@@ -3,6 +3,7 @@ static-buffer path against eager decoding on the CPU (uncaptured); graph replay 
 
 import pytest
 import torch
+from fake_cuda import install_fake_cuda
 
 from mambaserve import LLM, SamplingParams
 from mambaserve.engine.batch import Batch, Row
@@ -254,56 +255,12 @@ def test_capture_batches_touch_only_scratch_memory(tiny_ckpt):
     assert torch.equal(before[2], kv.kv_cache[:, :, :-1])
 
 
-class _FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph: replay re-runs what was recorded during capture, on
-    the same static buffers and captured metadata (a real graph's semantics)."""
-
-    capturing = None
-
-    def __init__(self):
-        self.recorded, self.replays = None, 0
-
-    def replay(self):
-        self.replays += 1
-        self.recorded()
-
-
 def test_capture_and_replay_plumbing_with_a_fake_cuda(tiny_ckpt, monkeypatch):
-    import contextlib
-
     kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24, "device": "cpu"}
     eager = LLM(tiny_ckpt, **kw)
     llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4, **kw)
     gr = llm.engine.runner.graph_runner
-    order = []
-
-    @contextlib.contextmanager
-    def fake_graph(g, pool=None):
-        _FakeGraph.capturing = g
-        yield
-        _FakeGraph.capturing = None
-
-    class FakeStream:
-        def wait_stream(self, other):
-            pass
-
-    forward = gr._forward
-
-    def recording_forward(bs):
-        g = _FakeGraph.capturing
-        if g is not None:
-            order.append(bs)
-            g.recorded = lambda: forward(bs)
-        else:
-            forward(bs)
-
-    for name, value in {"graph_pool_handle": lambda: None, "Stream": lambda d=None: FakeStream(),
-                        "synchronize": lambda d=None: None,
-                        "current_stream": lambda d=None: FakeStream(),
-                        "stream": lambda s: contextlib.nullcontext(), "CUDAGraph": _FakeGraph,
-                        "graph": fake_graph}.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(gr, "_forward", recording_forward)
+    order = install_fake_cuda(monkeypatch, gr)
     gr.capture_enabled = True
     gr.capture()
     assert order == [4, 2, 1] and sorted(gr.graphs) == [1, 2, 4]

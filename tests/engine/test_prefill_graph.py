@@ -3,11 +3,11 @@ forward against the eager forward (logits and every live state and KV page, floa
 families); engine outputs with the option on vs off (prefix caching, chunked prefill, overlap)
 on the CPU (uncaptured); capture and replay on a GPU."""
 
-import contextlib
 
 import numpy as np
 import pytest
 import torch
+from fake_cuda import install_fake_cuda
 from family_checkpoints import MAKERS
 
 from mambaserve import LLM, SamplingParams
@@ -295,55 +295,13 @@ def test_engine_with_falcon_h1(falcon_ckpt):
     assert _tokens(on, prompts) == _tokens(eager, prompts) and seen
 
 
-class _FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph: replay re-runs what was recorded during capture."""
-
-    capturing = None
-
-    def __init__(self):
-        self.recorded, self.replays = None, 0
-
-    def replay(self):
-        self.replays += 1
-        self.recorded()
-
-
 def test_capture_and_replay_plumbing_with_a_fake_cuda(tiny_ckpt, monkeypatch):
     kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24, "device": "cpu"}
     eager = LLM(tiny_ckpt, **kw)
     llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4,
               cuda_graph_max_prefill_tokens=256, **kw)
     graphs = llm.engine.runner.prefill_graph_runner
-    order = []
-
-    @contextlib.contextmanager
-    def fake_graph(g, pool=None):
-        _FakeGraph.capturing = g
-        yield
-        _FakeGraph.capturing = None
-
-    class FakeStream:
-        def wait_stream(self, other):
-            pass
-
-    forward = graphs._forward
-
-    def recording_forward(key):
-        g = _FakeGraph.capturing
-        if g is not None:
-            order.append(key)
-            g.recorded = lambda: forward(key)
-        else:
-            forward(key)
-
-    for name, value in {"graph_pool_handle": lambda: None, "Stream": lambda d=None: FakeStream(),
-                        "synchronize": lambda d=None: None,
-                        "current_stream": lambda d=None: FakeStream(),
-                        "stream": lambda s: contextlib.nullcontext(), "CUDAGraph": _FakeGraph,
-                        "graph": fake_graph, "mem_get_info": lambda d=None: (1 << 30, 1 << 31),
-                        }.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(graphs, "_forward", recording_forward)
+    order = install_fake_cuda(monkeypatch, graphs)
     graphs.capture_enabled = True
     graphs.capture()
     assert sorted(order) == sorted(graphs.buckets) == sorted(graphs.graphs)
