@@ -9,7 +9,6 @@ of the two paths."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.config import ModelConfig
@@ -23,7 +22,12 @@ from mambaserve.distributed.parallel_modules import (
 )
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from mambaserve.ops.gated_rmsnorm import NormSpan, gated_rmsnorm, gated_rmsnorm_ref
+from mambaserve.ops.gated_rmsnorm import (
+    NormSpan,
+    gated_rmsnorm,
+    gated_rmsnorm_ref,
+    gated_silu,
+)
 from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 from mambaserve.ops.state_snapshot import (
@@ -164,14 +168,14 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self._gated_norm(y.reshape(T, self.d_inner), z))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if self.norm_kind == "none":  # Falcon-H1 without the norm: silu in the model dtype
-            return (y.float() * F.silu(z)).to(y.dtype)
+        if self.norm_kind == "none":  # Falcon-H1 without the norm: y * silu(z), Triton on CUDA
+            return gated_silu(y, z)
         group = self.d_inner // self.n_groups
-        gate_first = self.norm_kind == "gate_then_norm"
-        if gate_first and not self.norm_weight_fp32 and self.norm_span is None:
-            return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps)  # Triton on CUDA
-        # Falcon-H1's FalconH1RMSNormGated (float32 throughout, the weight multiply before the
-        # one cast back), or a norm group spanning tensor-parallel ranks: the torch path
+        norm_first = self.norm_kind == "norm_then_gate"
+        if self.norm_span is None:  # every variant (Falcon-H1's included): Triton on CUDA
+            return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps,
+                                 norm_before_gate=norm_first, weight_fp32=self.norm_weight_fp32)
+        # a norm group spanning tensor-parallel ranks: the torch path with its all-reduce
         return gated_rmsnorm_ref(y, z, self.norm_weight, group, self.norm_eps,
-                                 norm_before_gate=not gate_first,
+                                 norm_before_gate=norm_first,
                                  weight_fp32=self.norm_weight_fp32, span=self.norm_span)
