@@ -1,5 +1,6 @@
-"""gated_rmsnorm (every variant) and gated_silu vs float64 formulas (tests/ops/naive.py); the reference's norm
-over a group that spans tensor-parallel ranks (`NormSpan`) vs the whole group's."""
+"""gated_rmsnorm (every variant) and gated_silu vs float64 formulas (tests/ops/naive.py); the
+reference's norm over a group that spans tensor-parallel ranks (`NormSpan`) vs the whole
+group's."""
 
 from __future__ import annotations
 
