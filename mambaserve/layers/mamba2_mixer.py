@@ -3,8 +3,9 @@ gated RMSNorm -> out_proj. Prefill rows (first) and decode rows (last) of one fl
 different ops; both read and write the layer's slice of the state pool in place.
 
 Family options (ModelConfig): in_proj / out_proj biases, per-segment multipliers of the in_proj
-output (Falcon-H1's ssm_multipliers on z, x, B, C, dt), the gated-norm variant, and the dt clamps
-of the two paths."""
+output (Falcon-H1's ssm_multipliers on z, x, B, C, dt; `fold_scales` folds them into in_proj at
+load time), the gated-norm variant (every one a Triton kernel on CUDA), and the dt clamps of the
+two paths."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_or_replicate_range,
     shard_range,
 )
+from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.ops.gated_rmsnorm import (
@@ -111,6 +113,19 @@ class Mamba2Mixer(nn.Module):
         self.num_heads, self.n_groups, self.d_inner = h1 - h0, g1 - g0, (h1 - h0) * P
         self.conv_dim = self.d_inner + 2 * self.n_groups * N
         self.proj_multipliers = self._proj_multipliers()
+
+    @torch.no_grad()
+    def fold_scales(self, in_scale: float = 1.0, out_scale: float = 1.0) -> None:
+        """Once after loading, before sharding: fold the in_proj segment multipliers, a scale of
+        the mixer's input (in_proj's weight) and one of its output (out_proj's) into the
+        weights (layers/scaling.py); the forward then multiplies by none of them."""
+        rows = torch.ones(self.in_proj.out_features, dtype=torch.float64)
+        for start, end, m in self.proj_multipliers:
+            rows[start:end] = m
+        scale_linear_(self.in_proj, rows, in_scale)
+        scale_linear_(self.out_proj, out_scale)
+        self.segment_multipliers = [1.0] * 5
+        self.proj_multipliers = []
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
