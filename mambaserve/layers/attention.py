@@ -1,7 +1,8 @@
 """Grouped-query attention over the paged KV pool, with the options the hybrid families use:
 projection biases, the softmax scale (Granite's attention_multiplier), a multiplier on the keys
-(Falcon-H1), and rotary position embedding on the first `rotary_dim` channels of each head (NeoX
-pairs; none for NemotronH and Granite's "nope")."""
+(Falcon-H1; folded into k_proj by `fold_scales` at load time), and rotary position embedding on
+the first `rotary_dim` channels of each head (NeoX pairs; none for NemotronH and Granite's
+"nope")."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_or_replicate_range,
     shard_range,
 )
+from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.paged_attention import paged_attention, write_kv
 from mambaserve.ops.rotary import apply_rotary
@@ -51,6 +53,17 @@ class Attention(nn.Module):
             keep_rows(proj, torch.arange(k0 * D, k1 * D))
         self.o_proj = RowParallelLinear(self.o_proj, q0 * D, q1 * D, tp)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
+
+    @torch.no_grad()
+    def fold_scales(self, in_scale: float = 1.0, out_scale: float = 1.0) -> None:
+        """Once after loading, before sharding: fold a scale of the input (q, k, v weights), the
+        key multiplier (k's weight and bias; RoPE is linear, so before or after it is the same)
+        and a scale of the output (o_proj) into the weights (layers/scaling.py)."""
+        scale_linear_(self.q_proj, 1.0, in_scale)
+        scale_linear_(self.k_proj, self.key_multiplier, in_scale)
+        scale_linear_(self.v_proj, 1.0, in_scale)
+        scale_linear_(self.o_proj, out_scale)
+        self.key_multiplier = 1.0
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor
                 ) -> torch.Tensor:

@@ -3,13 +3,13 @@ gated RMSNorm -> out_proj. Prefill rows (first) and decode rows (last) of one fl
 different ops; both read and write the layer's slice of the state pool in place.
 
 Family options (ModelConfig): in_proj / out_proj biases, per-segment multipliers of the in_proj
-output (Falcon-H1's ssm_multipliers on z, x, B, C, dt), the gated-norm variant, and the dt clamps
-of the two paths."""
+output (Falcon-H1's ssm_multipliers on z, x, B, C, dt; `fold_scales` folds them into in_proj at
+load time), the gated-norm variant (every one a Triton kernel on CUDA), and the dt clamps of the
+two paths."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.config import ModelConfig
@@ -21,9 +21,15 @@ from mambaserve.distributed.parallel_modules import (
     shard_or_replicate_range,
     shard_range,
 )
+from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from mambaserve.ops.gated_rmsnorm import NormSpan, gated_rmsnorm, gated_rmsnorm_ref
+from mambaserve.ops.gated_rmsnorm import (
+    NormSpan,
+    gated_rmsnorm,
+    gated_rmsnorm_ref,
+    gated_silu,
+)
 from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 from mambaserve.ops.state_snapshot import (
@@ -108,6 +114,19 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = self.d_inner + 2 * self.n_groups * N
         self.proj_multipliers = self._proj_multipliers()
 
+    @torch.no_grad()
+    def fold_scales(self, in_scale: float = 1.0, out_scale: float = 1.0) -> None:
+        """Once after loading, before sharding: fold the in_proj segment multipliers, a scale of
+        the mixer's input (in_proj's weight) and one of its output (out_proj's) into the
+        weights (layers/scaling.py); the forward then multiplies by none of them."""
+        rows = torch.ones(self.in_proj.out_features, dtype=torch.float64)
+        for start, end, m in self.proj_multipliers:
+            rows[start:end] = m
+        scale_linear_(self.in_proj, rows, in_scale)
+        scale_linear_(self.out_proj, out_scale)
+        self.segment_multipliers = [1.0] * 5
+        self.proj_multipliers = []
+
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; conv_state: [slots + 1, K-1, conv_dim]; ssm_state: [slots + 1, H, P, N]."""
@@ -164,14 +183,14 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self._gated_norm(y.reshape(T, self.d_inner), z))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if self.norm_kind == "none":  # Falcon-H1 without the norm: silu in the model dtype
-            return (y.float() * F.silu(z)).to(y.dtype)
+        if self.norm_kind == "none":  # Falcon-H1 without the norm: y * silu(z), Triton on CUDA
+            return gated_silu(y, z)
         group = self.d_inner // self.n_groups
-        gate_first = self.norm_kind == "gate_then_norm"
-        if gate_first and not self.norm_weight_fp32 and self.norm_span is None:
-            return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps)  # Triton on CUDA
-        # Falcon-H1's FalconH1RMSNormGated (float32 throughout, the weight multiply before the
-        # one cast back), or a norm group spanning tensor-parallel ranks: the torch path
+        norm_first = self.norm_kind == "norm_then_gate"
+        if self.norm_span is None:  # every variant (Falcon-H1's included): Triton on CUDA
+            return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps,
+                                 norm_before_gate=norm_first, weight_fp32=self.norm_weight_fp32)
+        # a norm group spanning tensor-parallel ranks: the torch path with its all-reduce
         return gated_rmsnorm_ref(y, z, self.norm_weight, group, self.norm_eps,
-                                 norm_before_gate=not gate_first,
+                                 norm_before_gate=norm_first,
                                  weight_fp32=self.norm_weight_fp32, span=self.norm_span)

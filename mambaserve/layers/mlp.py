@@ -14,6 +14,7 @@ from mambaserve.distributed.parallel_modules import (
     param_of,
     shard_range,
 )
+from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.ops.activation import relu2  # one Triton pass on CUDA
 from mambaserve.ops.fp8_matmul import FP8_DTYPE, fp8_linear, quantize_weight_fp8
 
@@ -34,12 +35,17 @@ class MLP(nn.Module):
         keep_rows(self.up_proj, torch.arange(i0, i1))
         self.down_proj = RowParallelLinear(self.down_proj, i0, i1, tp, reduce)
 
+    def fold_scales(self, out_scale: float = 1.0) -> None:
+        """Once after loading: fold a scale of the output into down_proj (layers/scaling.py)."""
+        scale_linear_(self.down_proj, out_scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x) * gate_multiplier) * up(x)) * down_multiplier.
+    """down(silu(gate(x) * gate_multiplier) * up(x)) * down_multiplier (both multipliers 1 after
+    `fold_scales` moved them into the weights).
 
     gate and up are one projection whose weight is stacked [2, I, hidden] (gate first), so one
     matmul computes both; checkpoints with separate gate_proj / up_proj tensors load into its
@@ -92,6 +98,20 @@ class GatedMLP(nn.Module):
             self.gate_up_bias = param_of(self.gate_up_bias[:, i0:i1])
         self.down_proj = RowParallelLinear(self.down_proj, i0, i1, tp, reduce)
         self.intermediate_size = i1 - i0
+
+    @torch.no_grad()
+    def fold_scales(self, out_scale: float = 1.0) -> None:
+        """Once after loading, before sharding: fold gate_multiplier into the gate half's rows
+        (weight, or its FP8 scales, and bias: silu reads gate(x) * m either way) and
+        down_multiplier times a scale of the output into down_proj (layers/scaling.py)."""
+        if self.gate_multiplier != 1.0:
+            gate_rows = self.gate_up_weight if self.gate_up_weight_scale is None \
+                else self.gate_up_weight_scale
+            scale_(gate_rows[0], self.gate_multiplier)
+            if self.gate_up_bias is not None:
+                scale_(self.gate_up_bias[0], self.gate_multiplier)
+        scale_linear_(self.down_proj, self.down_multiplier * out_scale)
+        self.gate_multiplier = self.down_multiplier = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         I = self.intermediate_size

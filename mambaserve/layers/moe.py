@@ -34,6 +34,7 @@ from mambaserve.config import ModelConfig
 from mambaserve.distributed.group import TPGroup
 from mambaserve.distributed.parallel_modules import param_of, shard_range
 from mambaserve.layers.mlp import MLP, GatedMLP
+from mambaserve.layers.scaling import scale_
 from mambaserve.ops.moe_experts import moe_experts
 
 
@@ -131,6 +132,14 @@ class MoE(nn.Module):
         self.experts_down = param_of(self.experts_down[:, :, i0:i1])
         self.shared_experts.shard(tp, reduce=False, what="moe_shared_expert_intermediate_size")
         self.tp = tp
+
+    @torch.no_grad()
+    def fold_scales(self, out_scale: float = 1.0) -> None:
+        """Once after loading, before sharding: fold a scale of the block's output into every
+        routed expert's down projection and into the shared expert (layers/scaling.py); the
+        routing is untouched."""
+        scale_(self.experts_down, out_scale)
+        self.shared_experts.fold_scales(out_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:

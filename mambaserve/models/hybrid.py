@@ -1,8 +1,10 @@
 """The decoder the hybrid families share (Falcon-H1, GraniteMoeHybrid, Bamba, Mamba2): each layer
 is a mixer sub-block (a Mamba2 mixer, attention, or both in parallel, summed) and/or a
 feed-forward sub-block, each pre-norm and residual, as described by `ModelConfig.layers`; the
-family's multipliers apply where transformers applies them (docs/models.md). Flat token batches
-in, logits of the rows `meta.logits_idx` selects out, like every model of the engine.
+family's multipliers apply where transformers applies them (docs/models.md), or, after
+`fold_multipliers` (the loader calls it), are folded into the weights they scale
+(docs/architecture.md, "Multipliers folded into the weights"). Flat token batches in, logits of
+the rows `meta.logits_idx` selects out, like every model of the engine.
 
 Module names are fixed here; each family module maps its checkpoint's tensor names onto them
 (`NameMapper`): `embed_tokens`, `layers.{i}.input_layernorm`, `layers.{i}.mamba`,
@@ -13,6 +15,7 @@ Module names are fixed here; each family module maps its checkpoint's tensor nam
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -23,9 +26,29 @@ from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.moe import MoE
 from mambaserve.layers.norm import RMSNorm
+from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.model_layout import FFNKind, LayerSpec
 from mambaserve.ops.state_snapshot import restore_snapshots
+
+
+@dataclass
+class Multipliers:
+    """The multipliers the decoder applies itself, between its layers (1.0 = none). The layers
+    hold their own: the mixer's in_proj segments, attention's key multiplier, GatedMLP's gate
+    and down multipliers."""
+
+    embedding: float = 1.0
+    logits: float = 1.0
+    residual: float = 1.0
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Multipliers:
+        return cls(**{f.name: getattr(cfg, f"{f.name}_multiplier") for f in fields(cls)})
 
 
 def make_ffn(cfg: ModelConfig, kind: FFNKind) -> nn.Module:
@@ -62,10 +85,36 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
+        self.multipliers = Multipliers.of(cfg)
 
     def tie_lm_head(self) -> None:
         """Share the embedding matrix as the output projection (checkpoints without lm_head)."""
         self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def fold_multipliers(self) -> None:
+        """Fold every multiplier that scales a projection's input or output into its weights,
+        once, after loading and before sharding (layers/scaling.py: float32, one cast): the
+        residual multiplier and the mixers' in / out multipliers into in_proj, out_proj, q / k /
+        v and o_proj, the FFN's down projections; the embedding multiplier into the embedding
+        table; the logits multiplier into lm_head, or, when lm_head shares the embedding table,
+        into the final norm's weight (divided by the embedding multiplier the shared table now
+        carries). The forward then applies none of them (the attention softmax scale stays the
+        attention's own)."""
+        m, r = self.multipliers, self.multipliers.residual
+        for layer in self.layers:
+            if layer.spec.mamba:
+                layer.mamba.fold_scales(m.ssm_in, m.ssm_out * r)
+            if layer.spec.attention:
+                layer.self_attn.fold_scales(m.attention_in, m.attention_out * r)
+            if layer.spec.ffn is not FFNKind.NONE:
+                layer.feed_forward.fold_scales(r)
+        scale_(self.embed_tokens.weight, m.embedding)
+        if self.lm_head.weight is self.embed_tokens.weight:
+            scale_(self.final_layernorm.weight, m.logits / m.embedding)
+        else:
+            scale_linear_(self.lm_head, m.logits)
+        self.multipliers = Multipliers()
 
     def _norm(self, norm: RMSNorm, h: torch.Tensor, pending: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +133,10 @@ class HybridForCausalLM(nn.Module):
         if meta.prefill is not None and meta.prefill.num_restores:
             restore_snapshots(conv_state, ssm_state, meta.prefill.restore_src,
                               meta.prefill.restore_dst)
+        mult = self.multipliers  # all 1.0 once folded into the weights
         h = self.embed_tokens(meta.input_ids)
-        if cfg.embedding_multiplier != 1.0:
-            h = h * cfg.embedding_multiplier
+        if mult.embedding != 1.0:
+            h = h * mult.embedding
         if cfg.residual_in_fp32:
             h = h.float()
         pending = None  # the last sub-block's output, not yet added to h
@@ -97,29 +147,26 @@ class HybridForCausalLM(nn.Module):
                 out = None
                 if spec.mamba:
                     n = self.mamba_index[i]
-                    xm = x * cfg.ssm_in_multiplier if cfg.ssm_in_multiplier != 1.0 else x
+                    xm = x * mult.ssm_in if mult.ssm_in != 1.0 else x
                     out = layer.mamba(xm, meta, conv_state[n], ssm_state[n])
-                    if cfg.ssm_out_multiplier != 1.0:
-                        out = out * cfg.ssm_out_multiplier
+                    if mult.ssm_out != 1.0:
+                        out = out * mult.ssm_out
                 if spec.attention:
-                    xa = x * cfg.attention_in_multiplier \
-                        if cfg.attention_in_multiplier != 1.0 else x
+                    xa = x * mult.attention_in if mult.attention_in != 1.0 else x
                     a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]])
-                    if cfg.attention_out_multiplier != 1.0:
-                        a = a * cfg.attention_out_multiplier
+                    if mult.attention_out != 1.0:
+                        a = a * mult.attention_out
                     out = a if out is None else out + a
-                pending = out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 \
-                    else out
+                pending = out * mult.residual if mult.residual != 1.0 else out
             if spec.ffn is not FFNKind.NONE:
                 x, h = self._norm(layer.pre_ff_layernorm, h, pending)
                 out = layer.feed_forward(x)
-                pending = out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 \
-                    else out
+                pending = out * mult.residual if mult.residual != 1.0 else out
         # only the rows whose logits are needed take the last add and the final norm
         h = h.index_select(0, meta.logits_idx) + pending.index_select(0, meta.logits_idx)
         logits = self.lm_head(self.final_layernorm(h).to(self.lm_head.weight.dtype))
-        if cfg.logits_multiplier != 1.0:
-            logits = logits * cfg.logits_multiplier
+        if mult.logits != 1.0:
+            logits = logits * mult.logits
         return logits.float()
 
 

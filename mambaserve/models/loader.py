@@ -56,12 +56,15 @@ def checkpoint_files(path: Path) -> list[Path]:
 def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
                cfg: ModelConfig | None = None, load_format: str = "auto",
                seed: int = 0, quantization: str | None = None,
-               quantization_exclude: str | None = None) -> torch.nn.Module:
+               quantization_exclude: str | None = None,
+               fold_multipliers: bool = True) -> torch.nn.Module:
     """`load_format="auto"` reads the safetensors weights; `"dummy"` needs only config.json and
     draws random weights on the device (models/random_weights.py), for benchmarks at real
     shapes without a checkpoint. An FP8 checkpoint (models/quantization.py) loads its FP8
     modules as such; `quantization="fp8"` quantizes the other linear projections after loading
-    (those matching `quantization_exclude`, default: attention and lm_head, stay)."""
+    (those matching `quantization_exclude`, default: attention and lm_head, stay).
+    A family's multipliers are folded into the weights they scale once the weights are read
+    (`fold_multipliers=False` keeps them as separate multiplies: the unfolded reference)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model path {path} is not a directory")
@@ -97,7 +100,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
         if cfg.tie_word_embeddings:
             model.tie_lm_head()
         init_random_(model, cfg.num_layers, seed)
-        return _quantize_after_load(model, quantization, quantization_exclude).eval()
+        return _after_load(model, fold_multipliers, quantization, quantization_exclude)
 
     name_map = checkpoint_name_map(cfg)
     if fp8_ckpt is not None:
@@ -180,14 +183,18 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
     if problems:
         raise ValueError(f"checkpoint {path} does not match the {cfg.architecture} config: "
                          + "; ".join(problems))
-    return _quantize_after_load(model, quantization, quantization_exclude).eval()
+    return _after_load(model, fold_multipliers, quantization, quantization_exclude)
 
 
-def _quantize_after_load(model: torch.nn.Module, quantization: str | None,
-                         exclude: str | None) -> torch.nn.Module:
+def _after_load(model: torch.nn.Module, fold: bool, quantization: str | None,
+                exclude: str | None) -> torch.nn.Module:
+    """Fold the multipliers (families that have them), then quantize on the fly (the folded
+    weights); sharding comes after, in the caller."""
+    if fold and hasattr(model, "fold_multipliers"):
+        model.fold_multipliers()
     if quantization == "fp8":
         quantize_model_fp8(model, exclude_patterns(exclude))
-    return model
+    return model.eval()
 
 
 def _fp8_weights(files: list[Path], name_map) -> dict[str, bool]:

@@ -68,6 +68,7 @@ CONDITIONS: dict[str, Condition | None] = {
         ("chunk_size",), _tileable_chunk,
         "chunk sizes that are not a power of two >= 16"),
     "gated_rmsnorm": None,
+    "gated_silu": None,
     "rms_norm": None,
     # one flat pass over the elements
     "relu2": Condition(("x",), lambda x: x.is_contiguous(), "non-contiguous inputs"),

@@ -1,11 +1,13 @@
-"""Grouped gated RMSNorm of the Mamba2 mixer: w * rmsnorm_per_group(y * silu(z)).
+"""The Mamba2 mixer's output gate: grouped gated RMSNorm (w * rmsnorm_per_group(y * silu(z)) and
+its variants), and the gate without a norm (y * silu(z)).
 
-`gated_rmsnorm` is the op the mixer runs (its Triton kernel on CUDA, else the reference).
-`gated_rmsnorm_ref` is the torch reference, and also the path of two cases the kernel does not
-cover: Falcon-H1's variants (the weight multiplied in float32, and the norm before the gate), and
-tensor parallelism with fewer norm groups than ranks, where one group's channels lie on several
-ranks (`NormSpan`): each rank sums the squares of its channels and an all-reduce completes the
-group's sum before the division.
+`gated_rmsnorm` and `gated_silu` are the ops the mixer runs (their Triton kernels on CUDA, else
+the references). `gated_rmsnorm` covers every family's variant: the weight multiplied after the
+cast (NemotronH, Bamba, Granite, Mamba2) or in float32 before it (`weight_fp32`, Falcon-H1), and
+the norm before the gate (`norm_before_gate`, Falcon-H1). `gated_rmsnorm_ref` is the torch
+reference, and also the path of tensor parallelism with fewer norm groups than ranks, where one
+group's channels lie on several ranks (`NormSpan`): each rank sums the squares of its channels
+and an all-reduce completes the group's sum before the division.
 """
 
 from __future__ import annotations
@@ -32,16 +34,35 @@ class NormSpan:
 
 
 def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
-                  eps: float) -> torch.Tensor:
+                  eps: float, norm_before_gate: bool = False,
+                  weight_fp32: bool = False) -> torch.Tensor:
     """y, z: [T, D]; weight: [D]; normalizes each group of `group_size` channels in float32.
 
-    Returns [T, D] in y.dtype (the weight multiply happens after the cast, as transformers does).
+    Default: w * rmsnorm(y * silu(z)), the weight multiply after the cast to y.dtype (as
+    transformers does; the result in torch's promotion of the two dtypes). `weight_fp32`: the
+    weight multiply in float32 before the one cast to y.dtype; `norm_before_gate`:
+    w * rmsnorm(y) * silu(z), all in float32, one cast to y.dtype (`gated_rmsnorm_ref`).
     """
     if kernel_path("gated_rmsnorm", y.device) == "triton":
         from mambaserve.ops.triton.gated_rmsnorm import gated_rmsnorm_triton
 
-        return gated_rmsnorm_triton(y, z, weight, group_size, eps)
-    return gated_rmsnorm_ref(y, z, weight, group_size, eps)
+        return gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate, weight_fp32)
+    return gated_rmsnorm_ref(y, z, weight, group_size, eps, norm_before_gate, weight_fp32)
+
+
+def gated_silu(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """y, z: [T, D] -> y * silu(z) in y.dtype, without a norm (Falcon-H1 with
+    `mamba_rms_norm: false`): silu in z's dtype, the product in float32, one cast."""
+    if kernel_path("gated_silu", y.device) == "triton":
+        from mambaserve.ops.triton.gated_rmsnorm import gated_silu_triton
+
+        return gated_silu_triton(y, z)
+    return gated_silu_ref(y, z)
+
+
+def gated_silu_ref(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The torch reference of `gated_silu` (transformers' FalconH1Mixer without its norm)."""
+    return (y.float() * F.silu(z)).to(y.dtype)
 
 
 def gated_rmsnorm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,

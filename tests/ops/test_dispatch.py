@@ -155,10 +155,13 @@ def test_elementwise_and_norm_ops_through_the_kernels(as_if_cuda):
     ref, ref_s = rmsnorm.rms_norm_ref(x, w, 1e-5, r)
     torch.testing.assert_close(out, ref)
     assert torch.equal(s, ref_s)
-    torch.testing.assert_close(gated_rmsnorm.gated_rmsnorm(x, r, w, 20, 1e-5),
-                               gated_rmsnorm.gated_rmsnorm_ref(x, r, w, 20, 1e-5))
+    for variant in [(False, False), (False, True), (True, True)]:  # Falcon-H1's: the last two
+        torch.testing.assert_close(gated_rmsnorm.gated_rmsnorm(x, r, w, 20, 1e-5, *variant),
+                                   gated_rmsnorm.gated_rmsnorm_ref(x, r, w, 20, 1e-5, *variant))
+    torch.testing.assert_close(gated_rmsnorm.gated_silu(x, r), gated_rmsnorm.gated_silu_ref(x, r))
     assert as_if_cuda == [("relu2", "triton"), ("relu2", "reference"), ("rms_norm", "triton"),
-                          ("rms_norm", "triton"), ("gated_rmsnorm", "triton")]
+                          ("rms_norm", "triton"), *[("gated_rmsnorm", "triton")] * 3,
+                          ("gated_silu", "triton")]
 
 
 @cpu_only

@@ -1,5 +1,6 @@
-"""gated_rmsnorm vs a float64 group-by-group formula (tests/ops/naive.py); the reference's norm
-over a group that spans tensor-parallel ranks (`NormSpan`) vs the whole group's."""
+"""gated_rmsnorm (every variant) and gated_silu vs float64 formulas (tests/ops/naive.py); the
+reference's norm over a group that spans tensor-parallel ranks (`NormSpan`) vs the whole
+group's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from naive import gen, naive_gated_rmsnorm, randn
 
-from mambaserve.ops.gated_rmsnorm import NormSpan, gated_rmsnorm, gated_rmsnorm_ref
+from mambaserve.ops.gated_rmsnorm import NormSpan, gated_rmsnorm, gated_rmsnorm_ref, gated_silu
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 DIM = 24
@@ -94,3 +95,28 @@ def test_span_equals_whole_group(variant, dtype):
     assert out.dtype == dtype
     tol = 0 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), whole.float(), rtol=tol, atol=1e-6 + tol)
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_falcon_variants_match_formula(norm_before_gate):
+    """Falcon-H1's variants through the public op: w * rmsnorm(y * silu(z)) or
+    w * rmsnorm(y) * silu(z), weight multiplied in float32, against float64 group by group."""
+    g = gen("grms-falcon", norm_before_gate)
+    y, z = randn(g, 6, DIM, scale=2.0), randn(g, 6, DIM, scale=2.0)
+    w = 1.0 + randn(g, DIM, scale=0.3)
+    out = gated_rmsnorm(y, z, w, 8, 1e-5, norm_before_gate=norm_before_gate, weight_fp32=True)
+    y64, z64, w64 = y.double(), z.double(), w.double()
+    silu = z64 * torch.sigmoid(z64)
+    h = (y64 if norm_before_gate else y64 * silu).view(6, DIM // 8, 8)
+    h = (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).view(6, DIM) * w64
+    want = h * silu if norm_before_gate else h
+    torch.testing.assert_close(out, want.float(), **TOL)
+
+
+def test_gated_silu_is_y_times_silu_z():
+    g = gen("gsilu")
+    y, z = randn(g, 5, DIM, scale=2.0), randn(g, 5, DIM, scale=2.0)
+    want = y.double() * z.double() * torch.sigmoid(z.double())
+    torch.testing.assert_close(gated_silu(y, z), want.float(), **TOL)
+    yb, zb = y.bfloat16(), z.bfloat16()
+    assert gated_silu(yb, zb).dtype == torch.bfloat16

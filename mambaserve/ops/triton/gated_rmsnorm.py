@@ -1,9 +1,20 @@
-"""Triton grouped gated RMSNorm: out = w * cast(rmsnorm_group(y * silu(z)), y.dtype).
+"""Triton kernels of the Mamba2 mixer's output gate: the grouped gated RMSNorm in its three
+variants, and the gate without a norm.
 
-Grid: (tokens, groups). One program normalizes one group of `group_size` channels of one token in
-float32 (BLOCK = next power of two >= group_size, masked), casts to y.dtype and multiplies by the
-weight in the dtype torch would promote to, exactly as the reference does. Launch parameters:
-`tuning` entry "gated_rmsnorm".
+`_gated_rmsnorm_kernel`, grid (tokens, groups): one program normalizes one group of `group_size`
+channels of one token in float32 (BLOCK = next power of two >= group_size, masked), exactly as
+`mambaserve.ops.gated_rmsnorm.gated_rmsnorm_ref` orders the roundings:
+- gate first, weight after the cast (default): h = y·silu(z), normalized, cast to y.dtype, then
+  multiplied by the weight in the dtype torch would promote the two to;
+- gate first, weight in float32 (WEIGHT_FP32, Falcon-H1): h = y·silu(z), normalized, times the
+  weight in float32, one cast to y.dtype;
+- norm first (NORM_BEFORE_GATE, Falcon-H1; weight always in float32): y normalized, times the
+  weight, times silu(z), all in float32, one cast to y.dtype.
+
+`_gated_silu_kernel`, grid (tokens, blocks of BLOCK channels): y·silu(z) with silu rounded to
+z.dtype first and the product in float32, one cast to y.dtype (Falcon-H1 without the norm).
+
+Launch parameters: `tuning` entries "gated_rmsnorm" and "gated_silu".
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from mambaserve.ops.triton import tuning
 def _gated_rmsnorm_kernel(
     y_ptr, z_ptr, w_ptr, out_ptr, group_size, eps,
     y_t, y_d, z_t, z_d, o_t, o_d,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, WEIGHT_FP32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -27,21 +38,45 @@ def _gated_rmsnorm_kernel(
     m = tl.arange(0, BLOCK) < group_size
     y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
-    h = y * (z / (1.0 + tl.exp(-z)))
+    gate = z / (1.0 + tl.exp(-z))
+    h = y if NORM_BEFORE_GATE else y * gate
     var = tl.sum(h * h, axis=0) / group_size
     h = h * (1.0 / tl.sqrt(var + eps))
-    h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * o_t + offs * o_d, (h * w).to(out_ptr.dtype.element_ty), mask=m)
+    if NORM_BEFORE_GATE:
+        h = h * w * gate
+    elif WEIGHT_FP32:
+        h = h * w
+    else:  # cast first, then the weight multiply in the promoted dtype (the output's)
+        h = h.to(y_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + t * o_t + offs * o_d, h.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def gated_rmsnorm_triton(y, z, weight, group_size, eps):
+@triton.jit
+def _gated_silu_kernel(
+    y_ptr, z_ptr, out_ptr, D,
+    y_t, y_d, z_t, z_d, o_t, o_d,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < D
+    y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
+    gate = (z / (1.0 + tl.exp(-z))).to(z_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + t * o_t + offs * o_d, (y * gate).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
+                         weight_fp32=False):
     """Same contract as `mambaserve.ops.gated_rmsnorm.gated_rmsnorm`."""
     T, Dm = y.shape
     assert z.shape == (T, Dm) and weight.shape == (Dm,), (y.shape, z.shape, weight.shape)
     assert Dm % group_size == 0, (Dm, group_size)
     assert weight.is_contiguous()
-    out_dtype = torch.result_type(weight, y)  # the reference's `weight * h.to(y.dtype)`
+    weight_fp32 = weight_fp32 or norm_before_gate
+    # the reference's `weight * h.to(y.dtype)`, or its one cast to y.dtype
+    out_dtype = y.dtype if weight_fp32 else torch.result_type(weight, y)
     out = torch.empty((T, Dm), dtype=out_dtype, device=y.device)
     if T == 0:
         return out
@@ -52,6 +87,24 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps):
     grid = (T, Dm // group_size)
     _gated_rmsnorm_kernel[grid](
         y, z, weight, out, group_size, float(eps),
-        *y.stride(), *z.stride(), *out.stride(), BLOCK=BLOCK, num_warps=num_warps,
+        *y.stride(), *z.stride(), *out.stride(), BLOCK=BLOCK,
+        NORM_BEFORE_GATE=bool(norm_before_gate), WEIGHT_FP32=bool(weight_fp32),
+        num_warps=num_warps,
+    )
+    return out
+
+
+def gated_silu_triton(y, z):
+    """Same contract as `mambaserve.ops.gated_rmsnorm.gated_silu`."""
+    T, Dm = y.shape
+    assert z.shape == (T, Dm), (y.shape, z.shape)
+    out = torch.empty((T, Dm), dtype=y.dtype, device=y.device)
+    if T == 0:
+        return out
+    cfg = tuning.config("gated_silu", y.device)
+    block = min(cfg["block"], triton.next_power_of_2(Dm))
+    _gated_silu_kernel[(T, triton.cdiv(Dm, block))](
+        y, z, out, Dm, *y.stride(), *z.stride(), *out.stride(), BLOCK=block,
+        num_warps=cfg["num_warps"],
     )
     return out

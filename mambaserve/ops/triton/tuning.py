@@ -32,6 +32,9 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "relu2": MappingProxyType({"block": 4096, "num_warps": 8}),
     # gated RMSNorm: None = max(1, min(8, BLOCK // 256)), BLOCK = next pow2 of the group size
     "gated_rmsnorm": MappingProxyType({"num_warps": None}),
+    # the gate without a norm (y * silu(z)): BLOCK channels of one token per program (capped at
+    # the next power of two of the width); not swept
+    "gated_silu": MappingProxyType({"block": 1024, "num_warps": 4}),
     # RMSNorm: None = 16 from BLOCK_D 16384, else max(1, min(8, BLOCK_D // 512))
     "rms_norm": MappingProxyType({"num_warps": None}),
     # decode conv step: channels per program
