@@ -19,8 +19,9 @@ operands, float32 accumulation promoted after every instruction, `max_num_imprec
 With split_k > 1 each part writes float32 partial sums (already scaled) and a second launch adds
 the parts in a fixed order (deterministic), adds the bias and rounds.
 
-The e4m3 conversions: on the GPU the hardware ones (`bitcast` to float8e4nv then `.to(float32)`
-for the weight; `.to(float8e4nv)`, round to nearest even, for the activation); under the CPU
+The e4m3 conversions: on the GPU the hardware ones (the weight loaded as float8e4nv, fed to
+`tl.dot` or converted `.to(float32)`; `.to(float8e4nv)`, round to nearest even, for the
+activation); under the CPU
 interpreter, where float8 decoding is not right, `e4m3_decode` / `e4m3_encode` below, the same
 bits done with integer operations (`HW_FP8` constexpr picks). Both are tested bit for bit
 against torch's `float8_e4m3fn` (tests/ops/test_triton_fp8_gemv.py).
@@ -83,7 +84,7 @@ def e4m3_encode(v):
 def _quantize(x, scale, HW_FP8: tl.constexpr):
     """x float32 [BM, BK], scale [BM, 1] -> the e4m3 values: float8e4nv on the GPU, their exact
     float32 values under the interpreter."""
-    q = tl.math.div_rn(x, scale)
+    q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # div_rn does not broadcast
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     if HW_FP8:
         out = q.to(tl.float8e4nv)
@@ -93,12 +94,13 @@ def _quantize(x, scale, HW_FP8: tl.constexpr):
 
 
 @triton.jit
-def _weight(wb, HW_FP8: tl.constexpr):
-    """uint8 weight codes -> float8e4nv (GPU) / their float32 values (interpreter)."""
+def _weight(w, HW_FP8: tl.constexpr):
+    """A loaded float8e4nv weight tile as it is (GPU: the load feeds the dot directly) / the
+    float32 values of its codes (interpreter)."""
     if HW_FP8:
-        out = wb.to(tl.float8e4nv, bitcast=True)
+        out = w
     else:
-        out = e4m3_decode(wb)
+        out = e4m3_decode(w.to(tl.uint8, bitcast=True))
     return out
 
 
@@ -125,7 +127,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
             ka = k0 + tl.arange(0, BLOCK_A)
             v = tl.load(x_rows + ka[None, :], mask=row_ok[:, None] & (ka[None, :] < K), other=0.0)
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        sx = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), 1e-12), 448.0)
+        sx = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), 1e-12),
+                            tl.full([BLOCK_M], 448.0, dtype=tl.float32))
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
@@ -137,7 +140,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + ks
         k_ok = kk < k_hi
-        wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+        wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         q = _quantize(xv.to(tl.float32), sx[:, None], HW_FP8)
         w = _weight(wb, HW_FP8)
@@ -250,7 +253,7 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     ws = weight_scale.reshape(-1)
     grid = (triton.cdiv(N, plan["block_n"]), plan["split_k"])
     _fp8_gemv_kernel[grid](
-        x, weight.view(torch.uint8), ws, input_scale if static else ws,
+        x, weight, ws, input_scale if static else ws,
         bias if bias is not None else ws, part, M, N, K, x.stride(0), weight.stride(0),
         0 if ws.numel() == 1 else ws.stride(0), N, M * N, plan["k_per_split"],
         STATIC=static, HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=plan["use_dot"],
