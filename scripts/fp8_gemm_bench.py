@@ -1,7 +1,9 @@
-"""torch._scaled_mm (FP8, row-wise scales, through mambaserve's fp8_linear: Triton activation
-quantization + cuBLASLt) vs a bf16 matmul at the 9B preset's quantized projections, M = 1, 64,
-2048 tokens; CUDA graphs replay each op so launch overhead is what the engine pays. Prints a
-table and writes JSON.
+"""torch._scaled_mm (FP8, row-wise scales, through mambaserve's scaled_mm path: Triton activation
+quantization + cuBLASLt), the one-launch FP8 kernel for few rows (`ops/triton/fp8_gemv.py`, at
+M <= 64 with its tuning max_m raised for the run) and a bf16 matmul at the 9B preset's quantized
+projections, M = 1, 8, 16, 64, 2048 tokens; CUDA graphs replay each op so launch overhead is what
+the engine pays. Weight bandwidth (bytes of the weight / time) is reported against the
+device-to-device copy ceiling (`bench/roofline.copy_ceiling`). Prints a table and writes JSON.
 
     python scripts/fp8_gemm_bench.py --out fp8_gemm.json
 """
@@ -14,7 +16,12 @@ import sys
 
 import torch
 
-from mambaserve.ops.fp8_matmul import fp8_linear, quantize_fp8, quantize_weight_fp8
+from mambaserve.bench.roofline import copy_ceiling
+from mambaserve.ops.fp8_matmul import _fp8_linear_scaled_mm, quantize_fp8, quantize_weight_fp8
+from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton, launch_plan
+
+GEMV_MAX_M = 64  # the few-rows kernel is timed up to this M (tuning max_m raised for the run)
 
 # (name, K, N) of the 9B preset's FP8 projections
 SHAPES = [("mamba in_proj", 4480, 22656), ("mamba out_proj", 10240, 4480),
@@ -48,9 +55,10 @@ def graph_time_us(fn, iters: int = 50) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--m", default="1,64,2048")
+    ap.add_argument("--m", default="1,8,16,64,2048")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    ceiling = copy_ceiling(torch.device("cuda"))["bytes_per_s"]
     rows = []
     for name, K, N in SHAPES:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -59,26 +67,47 @@ def main(argv=None) -> int:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_fp8(x)
             t_bf16 = graph_time_us(lambda x=x, w=w: x @ w.t())
-            t_fp8 = graph_time_us(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
+            t_fp8 = graph_time_us(lambda x=x, wq=wq, ws=ws: _fp8_linear_scaled_mm(
+                x, wq, ws, None, None))
             t_mm = graph_time_us(lambda xq=xq, xs=xs, wq=wq, ws=ws: torch._scaled_mm(
                 xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16))
             t_q = graph_time_us(lambda x=x: quantize_fp8(x))
-            rows.append(dict(op=name, M=M, K=K, N=N, bf16_us=t_bf16, fp8_linear_us=t_fp8,
-                             scaled_mm_us=t_mm, act_quant_us=t_q,
-                             speedup=t_bf16 / t_fp8,
-                             fp8_weight_GBps=N * K / t_fp8 / 1e3,
-                             bf16_weight_GBps=2 * N * K / t_bf16 / 1e3))
-    print("| op | M | bf16 us | fp8_linear us (quant + scaled_mm) | scaled_mm us | quant us | "
-          "speedup | fp8 weight GB/s | bf16 weight GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+            row = {"op": name, "M": M, "K": K, "N": N, "bf16_us": t_bf16,
+                   "fp8_linear_us": t_fp8, "scaled_mm_us": t_mm, "act_quant_us": t_q,
+                   "speedup": t_bf16 / t_fp8, "fp8_weight_GBps": N * K / t_fp8 / 1e3,
+                   "bf16_weight_GBps": 2 * N * K / t_bf16 / 1e3, "gemv_us": None,
+                   "gemv_weight_GBps": None, "gemv_speedup": None, "gemv_plan": None}
+            if M <= GEMV_MAX_M:
+                try:  # a kernel that fails to compile leaves the other columns measured
+                    with tuning.override("fp8_gemv", max_m=GEMV_MAX_M):
+                        t_g = graph_time_us(lambda x=x, wq=wq, ws=ws: fp8_gemv_triton(x, wq, ws))
+                        plan = launch_plan(M, N, K, x.device)
+                    row.update(gemv_us=t_g, gemv_weight_GBps=N * K / t_g / 1e3,
+                               gemv_speedup=t_bf16 / t_g, gemv_plan=plan)
+                except Exception as e:  # noqa: BLE001
+                    row["gemv_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    print(f"fp8_gemv at {name} M={M}: {row['gemv_error']}")
+            rows.append(row)
+    print(f"copy ceiling {ceiling / 1e9:.0f} GB/s (read + write)")
+    print("| op | M | bf16 us | scaled_mm path us (quant + scaled_mm) | scaled_mm us | quant us | "
+          "fp8_gemv us | bf16 / scaled_mm path | bf16 / fp8_gemv | weight GB/s bf16 / scaled_mm "
+          "path / fp8_gemv (% of copy) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def pct(v):
+        return "-" if v is None else f"{v:.0f} ({100 * v * 1e9 / ceiling:.0f} %)"
+
     for r in rows:
+        g = "-" if r["gemv_us"] is None else f"{r['gemv_us']:.1f}"
+        gs = "-" if r["gemv_speedup"] is None else f"{r['gemv_speedup']:.2f}"
         print(f"| {r['op']} | {r['M']} | {r['bf16_us']:.1f} | {r['fp8_linear_us']:.1f} | "
-              f"{r['scaled_mm_us']:.1f} | {r['act_quant_us']:.1f} | {r['speedup']:.2f} | "
-              f"{r['fp8_weight_GBps']:.0f} | {r['bf16_weight_GBps']:.0f} |")
+              f"{r['scaled_mm_us']:.1f} | {r['act_quant_us']:.1f} | {g} | {r['speedup']:.2f} | "
+              f"{gs} | {pct(r['bf16_weight_GBps'])} / {pct(r['fp8_weight_GBps'])} / "
+              f"{pct(r['gemv_weight_GBps'])} |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+                       "copy_ceiling_bytes_per_s": ceiling, "rows": rows}, f, indent=1)
     return 0
 
 

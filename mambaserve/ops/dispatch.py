@@ -16,13 +16,15 @@ assert what they require instead of falling back themselves.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from mambaserve.ops.triton import triton_available
+from mambaserve.ops.triton import triton_available, tuning
 
 KernelPath = Literal["triton", "reference"]
 
@@ -41,6 +43,24 @@ def _fp8_gemm_ok(device: torch.device, x: torch.Tensor, weight: torch.Tensor) ->
     # torch._scaled_mm: FP8 tensor cores, K and N multiples of 16, row-wise scales with bf16 out
     return (fp8_capable(device) and x.dtype == torch.bfloat16
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
+
+
+# The switch of the one-launch FP8 kernel for few rows (`ops/triton/fp8_gemv.py`): off unless
+# this environment variable is "1", until the kernel has been verified on a GPU
+# (docs/quantization.md; `scripts/gpu_bench.sh fp8` turns it on for its own runs).
+FP8_GEMV_ENV = "MAMBASERVE_FP8_GEMV"
+
+
+def fp8_gemv_enabled() -> bool:
+    return os.environ.get(FP8_GEMV_ENV, "0") == "1"
+
+
+def _fp8_gemv_ok(device: torch.device, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # switched on, float8 conversions, bf16 activations, at most the tuning entry's max_m rows
+    if not fp8_gemv_enabled() or x.dtype != torch.bfloat16 or weight.stride(-1) != 1:
+        return False
+    rows = math.prod(x.shape[:-1])
+    return fp8_capable(device) and rows <= tuning.config("fp8_gemv", device)["max_m"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,11 @@ CONDITIONS: dict[str, Condition | None] = {
     "fp8_linear": Condition(("device", "x", "weight"), _fp8_gemm_ok,
                             "devices of compute capability < 8.9, non-bfloat16 activations and "
                             "K or N not a multiple of 16"),
+    # few token rows (decode): quantization and product in one launch; off by default
+    "fp8_gemv": Condition(("device", "x", "weight"), _fp8_gemv_ok,
+                          f"{FP8_GEMV_ENV} not 1 (the default), devices of compute capability "
+                          "< 8.9, non-bfloat16 activations and more rows than tuning "
+                          "fp8_gemv.max_m"),
     # the copy kernel moves each slot as one flat run of elements
     "save_decode_snapshots": Condition(
         ("conv_state", "ssm_state"),
@@ -114,4 +139,4 @@ def kernel_path(op: str, device: torch.device | str, **inputs) -> KernelPath:
     return "triton" if cond.check(**{n: inputs[n] for n in cond.needs}) else "reference"
 
 
-__all__ = ["CONDITIONS", "Condition", "KernelPath", "kernel_path"]
+__all__ = ["CONDITIONS", "FP8_GEMV_ENV", "Condition", "KernelPath", "fp8_gemv_enabled", "kernel_path"]

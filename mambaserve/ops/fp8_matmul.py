@@ -10,8 +10,12 @@ row, max|row| / 448, computed on the device). Activation quantization is q = cla
 448) rounded to nearest even by the cast; the dequantized product is
 (q_x * s_x) (q_w * s_w)^T, accumulated in float32, rounded once to x.dtype, plus the bias.
 
-Two implementations, picked by `ops.dispatch.kernel_path("fp8_linear", ...)`:
+Three implementations, picked by `ops.dispatch.kernel_path("fp8_gemv" / "fp8_linear", ...)`:
 
+- few token rows (CUDA >= 8.9, bfloat16 x, at most tuning "fp8_gemv" max_m rows, and only when
+  switched on with MAMBASERVE_FP8_GEMV=1: off by default until verified on a GPU): one Triton
+  launch (`ops/triton/fp8_gemv.py`) quantizes the rows and multiplies, bandwidth-bound on the
+  weight;
 - the fast path (CUDA, compute capability >= 8.9, bfloat16 x, K and N multiples of 16): the
   activation is quantized by one Triton launch (`ops/triton/fp8_quant.py`, scales written on the
   device) and the product runs in cuBLASLt through `torch._scaled_mm` with row-wise scales
@@ -20,7 +24,7 @@ Two implementations, picked by `ops.dispatch.kernel_path("fp8_linear", ...)`:
   the same quantization in torch ops, both operands dequantized to float32, one float32 matmul.
   It computes the quantized model exactly as defined, only without FP8 tensor cores.
 
-Neither path syncs or branches on tensor values, so both run inside CUDA graphs.
+No path syncs or branches on tensor values, so all run inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -76,9 +80,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                input_scale: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = dequant(quant(x)) dequant(weight)^T + bias in x.dtype (see the module docstring)."""
+    if kernel_path("fp8_gemv", x.device, x=x, weight=weight) == "triton":
+        return _fp8_linear_gemv(x, weight, weight_scale, input_scale, bias)
     if kernel_path("fp8_linear", x.device, x=x, weight=weight) == "triton":
         return _fp8_linear_scaled_mm(x, weight, weight_scale, input_scale, bias)
     return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
+
+
+def _fp8_linear_gemv(x, weight, weight_scale, input_scale, bias):
+    from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton
+
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    y = fp8_gemv_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, weight_scale,
+                        input_scale, bias)
+    return y.reshape(*lead, weight.shape[0])
 
 
 def _fp8_linear_scaled_mm(x, weight, weight_scale, input_scale, bias):

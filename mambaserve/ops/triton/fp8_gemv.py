@@ -1,0 +1,268 @@
+"""Triton FP8 linear for few token rows (decode): y = quant(x) W^T in ONE launch, activation
+quantization included, for M <= the tuning entry's `max_m` rows.
+
+The math is `mambaserve.ops.fp8_matmul.fp8_linear_ref`'s exactly, on the same quantized
+operands: each row's scale is max(amax|x_row|, 1e-12) / 448 (IEEE division, `div_rn`) or the
+static input scale; q = clamp(x / scale, -448, 448) rounded to nearest even onto e4m3; the
+products q * w (exact in float32) are summed in float32 (in another order than the reference's
+matmul), the sum times x_scale[m] * w_scale[n], plus the bias in float32, rounded once to
+x.dtype.
+
+Layout of the work: the grid is (blocks of BLOCK_N output columns) x (split_k parts of K). Every
+program reads its weight tile [BLOCK_N, K part] once (the bytes that matter: the weight is read
+from HBM exactly once) and the few x rows (a few KiB, from L2). With a dynamic scale every
+program recomputes the rows' amax over the whole K itself, so no quantization launch runs
+first. Two inner products, by M (`dot_min_m`): below it CUDA-core FMAs on the weight tile
+converted to float32 (one FMA per weight byte and row), from it tensor cores (`tl.dot` with the
+weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M >= 16], float8
+operands, float32 accumulation promoted after every instruction, `max_num_imprecise_acc=0`).
+With split_k > 1 each part writes float32 partial sums (already scaled) and a second launch adds
+the parts in a fixed order (deterministic), adds the bias and rounds.
+
+The e4m3 conversions: on the GPU the hardware ones (the weight loaded as float8e4nv, fed to
+`tl.dot` or converted `.to(float32)`; `.to(float8e4nv)`, round to nearest even, for the
+activation); under the CPU
+interpreter, where float8 decoding is not right, `e4m3_decode` / `e4m3_encode` below, the same
+bits done with integer operations (`HW_FP8` constexpr picks). Both are tested bit for bit
+against torch's `float8_e4m3fn` (tests/ops/test_triton_fp8_gemv.py).
+
+Launch parameters: `tuning` entry "fp8_gemv". No host sync, no value-dependent branch: CUDA-graph
+capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from mambaserve.ops.triton import tuning
+
+
+# ---- e4m3 (float8_e4m3fn: sign, 4-bit exponent of bias 7, 3-bit mantissa, no infinities) ------
+@triton.jit
+def e4m3_decode(bits):
+    """uint8 codes -> float32 values: subnormals m * 2^-9, normals (8 + m) * 2^(e - 10), 0x7F and
+    0xFF NaN, 0x80 -0.0."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    nan = (b * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
+    mag = tl.where((e == 15) & (m == 7), nan, mag)
+    signed = mag.to(tl.int32, bitcast=True) | ((b >> 7) << 31)  # -0.0 for 0x80 too
+    return signed.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_encode(v):
+    """float32 values with |v| <= 448 (after the clamp) -> uint8 codes, rounded to nearest even
+    (NaN -> 0x7F). The significand (implicit bit included) is shifted right by 20 for the
+    normal binades (2^-6 and up: code = (E + 6) * 8 + rounded (8 + m), a carry rolls into the
+    exponent) and by 14 - E below (subnormals in steps of 2^-9)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    E = ((bits >> 23) & 255) - 127
+    sig = (bits & 0x7FFFFF) | 0x800000
+    normal = E >= -6
+    sh = tl.where(normal, 20, tl.minimum(14 - E, 25))
+    one = sig * 0 + 1
+    keep = sig >> sh
+    rem = sig & ((one << sh) - 1)
+    half = one << (sh - 1)
+    up = (rem > half) | ((rem == half) & ((keep & 1) == 1))
+    code = tl.where(normal, (E + 6) * 8, 0) + keep + up.to(tl.int32)
+    code = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 127, code)  # NaN
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _quantize(x, scale, HW_FP8: tl.constexpr):
+    """x float32 [BM, BK], scale [BM, 1] -> the e4m3 values: float8e4nv on the GPU, their exact
+    float32 values under the interpreter."""
+    q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # div_rn does not broadcast
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if HW_FP8:
+        out = q.to(tl.float8e4nv)
+    else:
+        out = e4m3_decode(e4m3_encode(q))
+    return out
+
+
+@triton.jit
+def _weight(w, HW_FP8: tl.constexpr):
+    """A loaded float8e4nv weight tile as it is (GPU: the load feeds the dot directly) / the
+    float32 values of its codes (interpreter)."""
+    if HW_FP8:
+        out = w
+    else:
+        out = e4m3_decode(w.to(tl.uint8, bitcast=True))
+    return out
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ws", "k_per_split"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
+                     M, N, K, stride_xm, stride_wn, stride_ws, stride_om, stride_os, k_per_split,
+                     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     USE_DOT: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    # the rows' scales: every program computes them (x is small and sits in L2)
+    if STATIC:
+        sx = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(in_scale_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_A):
+            ka = k0 + tl.arange(0, BLOCK_A)
+            v = tl.load(x_rows + ka[None, :], mask=row_ok[:, None] & (ka[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        sx = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), 1e-12),
+                            tl.full([BLOCK_M], 448.0, dtype=tl.float32))
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    ks = tl.arange(0, BLOCK_K)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + ks
+        k_ok = kk < k_hi
+        wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        q = _quantize(xv.to(tl.float32), sx[:, None], HW_FP8)
+        w = _weight(wb, HW_FP8)
+        if USE_DOT:
+            acc = tl.dot(w, tl.trans(q), acc, max_num_imprecise_acc=0)
+        else:
+            prod = w.to(tl.float32)[None, :, :] * q.to(tl.float32)[:, None, :]
+            acc += tl.sum(prod, axis=2)
+    if USE_DOT:
+        acc = tl.trans(acc)
+    w_scale = tl.load(ws_ptr + cols * stride_ws, mask=col_ok, other=0.0).to(tl.float32)
+    y = acc * sx[:, None] * w_scale[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows[:, None] * stride_om + cols[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * stride_os + offs, y, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["N", "stride_ps"])
+def _split_sum_kernel(part_ptr, bias_ptr, y_ptr, N, stride_ps, SPLIT_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # a fixed order: the same sums on every run
+        acc += tl.load(part_ptr + s * stride_ps + row * N + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+_INTERPRETED = isinstance(_fp8_gemv_kernel, InterpretedFunction)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: no occupancy to fill
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(idx).multi_processor_count
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def launch_plan(M: int, N: int, K: int, device) -> dict:
+    """The launch of an [M, K] x [N, K]^T product on `device`: the tuning entry "fp8_gemv" with
+    its None knobs resolved. Rules (None):
+      block_n: 64 with tensor cores; with FMAs the largest of 32, 16, 8 whose column blocks
+               number >= 4 per SM (else 4);
+      block_k: 128 with tensor cores; with FMAs 8192 // (block_n * BLOCK_M) (8 KiB of weight
+               per step at M = 1), at least 32, at most pow2(K);
+      split_k: doubled from 1 while the programs are fewer than 2 per SM, each part keeps at
+               least 2 K steps, and split_k < 16."""
+    cfg = tuning.config("fp8_gemv", device)
+    use_dot = M >= cfg["dot_min_m"]
+    block_m = max(16, _pow2(M)) if use_dot else _pow2(M)
+    sms = _num_sms(torch.device(device))
+    block_n = cfg["block_n"]
+    if block_n is None:
+        block_n = 64 if use_dot else 4
+        if not use_dot:
+            for bn in (32, 16, 8):
+                if triton.cdiv(N, bn) >= 4 * sms:
+                    block_n = bn
+                    break
+    block_k = cfg["block_k"]
+    if block_k is None:
+        block_k = 128 if use_dot else max(32, min(8192 // (block_n * block_m), _pow2(K)))
+    split_k = cfg["split_k"]
+    if split_k is None:
+        split_k, blocks = 1, triton.cdiv(N, block_n)
+        while (blocks * split_k < 2 * sms and split_k < 16
+               and triton.cdiv(K, block_k) >= 4 * split_k):
+            split_k *= 2
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)  # no empty part
+    return {"use_dot": use_dot, "block_m": block_m, "block_n": block_n, "block_k": block_k,
+            "split_k": split_k, "k_per_split": k_per_split, "block_a": max(64, 2048 // block_m),
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "max_m": cfg["max_m"]}
+
+
+def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear`'s contract for x [M, K] (rows may be strided, last dim contiguous) with M <=
+    the tuning entry's `max_m` (the launch holds every row in registers): weight [N, K]
+    float8_e4m3fn (last dim contiguous), weight_scale [N] or one element float32, input_scale
+    None (dynamic per row) or one element, bias [N] or None -> [M, N] in x.dtype."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "fp8_gemv_triton takes [M, K] rows"
+    assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == x.shape[1]
+    assert weight.dtype == torch.float8_e4m3fn
+    M, K = x.shape
+    N = weight.shape[0]
+    plan = launch_plan(M, N, K, x.device)
+    assert M <= plan["max_m"], f"fp8_gemv_triton takes at most max_m={plan['max_m']} rows, got {M}"
+    assert weight_scale.numel() in (1, N), "weight_scale: one per output row, or one"
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    static = input_scale is not None
+    split = plan["split_k"] > 1
+    part = torch.empty((plan["split_k"], M, N), dtype=torch.float32, device=x.device) if split else y
+    ws = weight_scale.reshape(-1)
+    grid = (triton.cdiv(N, plan["block_n"]), plan["split_k"])
+    _fp8_gemv_kernel[grid](
+        x, weight, ws, input_scale if static else ws,
+        bias if bias is not None else ws, part, M, N, K, x.stride(0), weight.stride(0),
+        0 if ws.numel() == 1 else ws.stride(0), N, M * N, plan["k_per_split"],
+        STATIC=static, HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=plan["use_dot"],
+        HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
+        BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],
+        NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"])
+    if split:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(N, block), M)](
+            part, bias if bias is not None else part, y, N, M * N, SPLIT_K=plan["split_k"],
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y
