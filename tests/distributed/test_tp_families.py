@@ -1,10 +1,11 @@
 """The engine at tensor_parallel_size 2 against one rank for every family besides NemotronH
 (test_tp_engine.py), on the tiny checkpoints of tests/family_checkpoints.py (gloo, float32):
-prompt logprobs and sampled logprobs within 1e-5 and identical greedy tokens, under a 24-token
-budget (chunked prefills, mixed steps), then prefix-cache hits. One tensor-parallel engine per
-family serves every check (spawning a rank costs seconds); it runs decode steps on the
-static-buffer graph path (uncaptured on a CPU) under overlap scheduling, the one-rank reference
-eagerly and in order.
+prompt logprobs and sampled logprobs within float32's tolerance (tp_harness.close) and identical
+greedy tokens, under a 24-token budget (chunked prefills, mixed steps), then prefix-cache hits;
+for Mamba2 the sync audit's scenarios on both ranks. One tensor-parallel engine per family
+serves every check (spawning a rank costs seconds); it runs decode steps on the static-buffer
+graph path (uncaptured on a CPU) under overlap scheduling, the one-rank reference eagerly and in
+order.
 
 The cases: Falcon-H1 (attention and Mamba2 in every layer, every multiplier != 1), Bamba,
 Mamba2 (no attention layer: a KV pool of no bytes) and the dense GraniteMoeHybrid, all with
@@ -26,6 +27,7 @@ from family_checkpoints import (
 from tp_harness import assert_same, make_engine, prompts, run
 
 from mambaserve.engine.sampling_params import SamplingParams
+from mambaserve.tools.audit_scenarios import run_scenarios
 
 # name -> (checkpoint maker, its overrides)
 CASES = {
@@ -36,6 +38,9 @@ CASES = {
                                                         **GRANITE_DENSE}),
     "granite_moe_g2": (make_tiny_granite_moe_hybrid, {"seed": 1}),
 }
+# the sync audit's scenarios on both ranks, zero syncs in every forward (the all-reduce of the
+# spanning norm group's sums included); one family is enough (the audit is slow)
+AUDITED = {"mamba2_g1"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,6 +77,9 @@ def test_family_tp2_matches_one_rank(tmp_path, case):
         got.append(run(tp2, extended))
         assert all(o.num_cached_tokens >= 32 for o in got[2].values())
         assert tp2.cache_stats()["hit_tokens"] > hits
+        if case in AUDITED:  # last: the audit's requests stay in the prefix cache
+            for name, r in run_scenarios(tp2).items():
+                assert r.forwards and r.ok and r.worker_syncs == {1: 0}, (name, r)
     finally:
         tp2.close()
     for g, w in zip(got, want, strict=True):
