@@ -2,8 +2,8 @@
 against the same engine at one rank: prompt logprobs within 1e-5 and identical tokens through
 chunked prefill, mixed batches, prefix-cache hits, n > 1 seeded sampling and an abort; the
 decode steps take the static-buffer graph path (uncaptured on a CPU) under overlap scheduling;
-per-rank memory; the sync audit on both ranks; close() stops the worker; a worker that raises or
-dies makes the engine fail with an error naming it, within seconds."""
+per-rank memory; the sync audit on both ranks; a worker that raises or dies makes the engine fail
+with an error naming it, within seconds. The other families: test_tp_families.py."""
 
 from __future__ import annotations
 
@@ -11,16 +11,12 @@ import multiprocessing
 import time
 
 import pytest
-import torch
-from family_checkpoints import make_tiny_granite_moe_hybrid
+from tp_harness import BASE, assert_same, make_engine, prompts, run
 
 from mambaserve.config import EngineConfig
 from mambaserve.distributed.launcher import TPWorkerError
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.engine.sampling_params import SamplingParams
-
-BASE = {"dtype": "float32", "device": "cpu", "chunked_prefill_size": 24, "max_num_seqs": 4,
-        "max_step_prefill_tokens": 16}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,60 +26,16 @@ def _bounded_collectives():
         yield
 
 
-def _engine(path, tp: int, **kw) -> LLMEngine:
-    return LLMEngine(path, EngineConfig(**{**BASE, **kw, "tensor_parallel_size": tp}))
-
-
 @pytest.fixture(scope="class")
 def pair(tiny_ckpt):
     """(tp=2 engine: prefix caching, decode steps on the graph path, overlap scheduling;
     tp=1 engine: prefix caching, eager, synchronous). Class-scoped: one tensor-parallel engine
     per process, so it is closed before the tests below build theirs."""
-    tp2 = _engine(tiny_ckpt, 2, enable_prefix_caching=True, enforce_eager=False,
-                  async_scheduling=True)
-    tp1 = _engine(tiny_ckpt, 1, enable_prefix_caching=True)
+    tp2 = make_engine(tiny_ckpt, 2, enable_prefix_caching=True, enforce_eager=False,
+                      async_scheduling=True)
+    tp1 = make_engine(tiny_ckpt, 1, enable_prefix_caching=True)
     yield tp2, tp1
     tp2.close()
-
-
-def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
-         abort: tuple[str, int] | None = None) -> dict:
-    """Add the requests, step to the end (aborting `abort[0]` after `abort[1]` steps)."""
-    for rid, ids, params in requests:
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    outs, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-        steps += 1
-        if abort is not None and steps == abort[1]:
-            assert engine.abort_request(abort[0])
-    engine.check_integrity()
-    return outs
-
-
-def _prompts(n: int, lens: list[int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 320, (k,), generator=g).tolist() for k in lens[:n]]
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for rid, oa in a.items():
-        ob = b[rid]
-        for ca, cb in zip(oa.outputs, ob.outputs, strict=True):
-            assert ca.token_ids == cb.token_ids, rid
-            if ca.logprobs is not None:
-                for da, db in zip(ca.logprobs, cb.logprobs, strict=True):
-                    assert da.keys() == db.keys()
-                    for t in da:
-                        assert abs(da[t] - db[t]) <= 1e-5
-        if oa.prompt_logprobs is not None:
-            for da, db in zip(oa.prompt_logprobs[1:], ob.prompt_logprobs[1:], strict=True):
-                assert da.keys() == db.keys()
-                for t in da:
-                    assert abs(da[t] - db[t]) <= 1e-5, (rid, t, da[t], db[t])
 
 
 class TestAgainstOneRank:
@@ -91,41 +43,41 @@ class TestAgainstOneRank:
         tp2, tp1 = pair
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=2,
                                 logprobs=2)
-        reqs = [(f"g{i}", ids, params) for i, ids in enumerate(_prompts(4, [53, 9, 30, 17], 1))]
+        reqs = [(f"g{i}", ids, params) for i, ids in enumerate(prompts(4, [53, 9, 30, 17], 1))]
         before = dict(tp2.stats)
-        got, want = _run(tp2, reqs), _run(tp1, reqs)
-        _assert_same(got, want)
+        got, want = run(tp2, reqs), run(tp1, reqs)
+        assert_same(got, want)
         assert tp2.stats["chunked_prefills"] > before["chunked_prefills"]
         assert tp2.stats["mixed_steps"] > before["mixed_steps"]
 
     def test_prefix_cache_hits_match_one_rank(self, pair):
         tp2, tp1 = pair
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-        (shared,) = _prompts(1, [40], 2)
-        tails = _prompts(2, [7, 12], 3)
+        (shared,) = prompts(1, [40], 2)
+        tails = prompts(2, [7, 12], 3)
         for engine in pair:  # the shared prefix first, then two requests extending it
-            _run(engine, [("p0", shared, params)])
+            run(engine, [("p0", shared, params)])
         hits = tp2.cache_stats()["hit_tokens"]
         reqs = [(f"p{i + 1}", shared + t, params) for i, t in enumerate(tails)]
-        got, want = _run(tp2, reqs), _run(tp1, reqs)
-        _assert_same(got, want)
+        got, want = run(tp2, reqs), run(tp1, reqs)
+        assert_same(got, want)
         assert all(o.num_cached_tokens > 0 for o in got.values())
         assert tp2.cache_stats()["hit_tokens"] > hits
 
     def test_seeded_sampling_n2_matches_one_rank(self, pair):
         params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, max_tokens=8, n=2, seed=7,
                                 ignore_eos=True, logprobs=1, presence_penalty=0.5)
-        reqs = [(f"s{i}", ids, params) for i, ids in enumerate(_prompts(2, [21, 11], 4))]
-        got, want = _run(pair[0], reqs), _run(pair[1], reqs)
-        _assert_same(got, want)
+        reqs = [(f"s{i}", ids, params) for i, ids in enumerate(prompts(2, [21, 11], 4))]
+        got, want = run(pair[0], reqs), run(pair[1], reqs)
+        assert_same(got, want)
         assert got["s0"].outputs[0].token_ids != got["s0"].outputs[1].token_ids
 
     def test_abort_of_a_running_request(self, pair):
         tp2, tp1 = pair
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        a, b = _prompts(2, [26, 13], 5)
-        got = _run(tp2, [("a", a, params), ("b", b, params)], abort=("a", 3))
-        want = _run(tp1, [("b", b, params)])
+        a, b = prompts(2, [26, 13], 5)
+        got = run(tp2, [("a", a, params), ("b", b, params)], abort=("a", 3))
+        want = run(tp1, [("b", b, params)])
         assert "a" not in got
         assert got["b"].outputs[0].token_ids == want["b"].outputs[0].token_ids
         assert not tp2.has_unfinished_requests()  # (_run checked the pools' integrity)
@@ -177,7 +129,7 @@ def test_a_dead_rank_fails_loudly(tiny_ckpt, kind):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     t0 = time.monotonic()
     with pytest.raises(TPWorkerError, match="tensor-parallel rank 1 died") as err:
-        _run(engine, [("x", _prompts(1, [30], 6)[0], params)])
+        run(engine, [("x", prompts(1, [30], 6)[0], params)])
     assert time.monotonic() - t0 < 30
     if kind == "raise":
         assert "injected fault on rank 1 at step 3" in str(err.value)
@@ -188,20 +140,3 @@ def test_a_dead_rank_fails_loudly(tiny_ckpt, kind):
     engine.close()
     assert not worker.is_alive() and worker not in multiprocessing.active_children()
 
-
-def test_granite_moe_hybrid_tp2_matches_one_rank(tmp_path):
-    path = make_tiny_granite_moe_hybrid(tmp_path / "granite", seed=1)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
-    reqs = [(f"q{i}", ids, params) for i, ids in enumerate(_prompts(3, [35, 8, 20], 8))]
-    want = _run(_engine(path, 1), reqs)
-    engine = _engine(path, 2)
-    worker = engine.tp_workers.procs[0]
-    try:
-        got = _run(engine, reqs)
-    finally:
-        engine.close()
-    _assert_same(got, want)
-    # close() stopped the worker cleanly: it left its loop and exited 0, and was reaped
-    assert worker.exitcode == 0 and worker not in multiprocessing.active_children()
-    with pytest.raises(RuntimeError, match="closed"):
-        engine.step()
