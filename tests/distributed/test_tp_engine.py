@@ -1,7 +1,8 @@
 """The engine at tensor_parallel_size 2 (rank 0 here, rank 1 a spawned worker, gloo, float32)
 against the same engine at one rank: prompt logprobs within 1e-5 and identical tokens through
 chunked prefill, mixed batches, prefix-cache hits, n > 1 seeded sampling and an abort; the
-decode steps take the static-buffer graph path (uncaptured on a CPU) under overlap scheduling;
+decode and small prefill / mixed steps take the static-buffer graph paths (uncaptured on a CPU)
+under overlap scheduling;
 per-rank memory; the sync audit on both ranks; a worker that raises or dies makes the engine fail
 with an error naming it, within seconds. The other families: test_tp_families.py."""
 
@@ -28,11 +29,19 @@ def _bounded_collectives():
 
 @pytest.fixture(scope="class")
 def pair(tiny_ckpt):
-    """(tp=2 engine: prefix caching, decode steps on the graph path, overlap scheduling;
-    tp=1 engine: prefix caching, eager, synchronous). Class-scoped: one tensor-parallel engine
-    per process, so it is closed before the tests below build theirs."""
+    """(tp=2 engine: prefix caching, decode and small prefill / mixed steps on the graph paths,
+    overlap scheduling; tp=1 engine: prefix caching, eager, synchronous). Class-scoped: one
+    tensor-parallel engine per process, so it is closed before the tests below build theirs."""
     tp2 = make_engine(tiny_ckpt, 2, enable_prefix_caching=True, enforce_eager=False,
-                      async_scheduling=True)
+                      async_scheduling=True, cuda_graph_max_prefill_tokens=256)
+    graphs = tp2.runner.prefill_graph_runner
+    plan, graphs.planned = graphs.plan, 0  # counts the steps that replay a prefill graph
+
+    def counting(batch):
+        graphs.planned += 1
+        return plan(batch)
+
+    graphs.plan = counting
     tp1 = make_engine(tiny_ckpt, 1, enable_prefix_caching=True)
     yield tp2, tp1
     tp2.close()
@@ -63,6 +72,7 @@ class TestAgainstOneRank:
         assert_same(got, want)
         assert all(o.num_cached_tokens > 0 for o in got.values())
         assert tp2.cache_stats()["hit_tokens"] > hits
+        assert tp2.runner.prefill_graph_runner.planned > 0  # suffixes through prefill graphs
 
     def test_seeded_sampling_n2_matches_one_rank(self, pair):
         params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, max_tokens=8, n=2, seed=7,
