@@ -159,15 +159,16 @@ class _MambaserveBackend:
         from mambaserve.config import EngineConfig
         from mambaserve.engine.llm_engine import LLMEngine
 
+        whole = max(b * n for b in c.batch_sizes for n in c.input_lens)  # the largest batch
         kw = {"dtype": c.dtype, "device": c.device, "max_num_seqs": max(c.batch_sizes),
-              "chunked_prefill_size": max(b * n for b in c.batch_sizes for n in c.input_lens),
+              "chunked_prefill_size": whole,
               "max_model_len": max(c.input_lens) + c.output_len + 16,
               "load_format": load_format, "seed": c.seed,
               "async_scheduling": False,  # per-step timings of one batch: no run-ahead
               # the whole batch prefills at full speed: no cap for decodes already running
               # (rows that start decoding early would otherwise finish before the last one
               # prefills, and the decode steps measured would be of a smaller batch)
-              "max_step_prefill_tokens": max(b * n for b in c.batch_sizes for n in c.input_lens),
+              "max_step_prefill_tokens": whole,
               **c.engine}
         t0 = time.perf_counter()
         self.engine = LLMEngine(path, EngineConfig(**kw))

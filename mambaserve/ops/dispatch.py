@@ -139,4 +139,5 @@ def kernel_path(op: str, device: torch.device | str, **inputs) -> KernelPath:
     return "triton" if cond.check(**{n: inputs[n] for n in cond.needs}) else "reference"
 
 
-__all__ = ["CONDITIONS", "FP8_GEMV_ENV", "Condition", "KernelPath", "fp8_gemv_enabled", "kernel_path"]
+__all__ = ["CONDITIONS", "FP8_GEMV_ENV", "Condition", "KernelPath", "fp8_gemv_enabled",
+           "kernel_path"]
