@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_bench.sh STAGE...
 #
-# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs
+# stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -155,14 +155,18 @@ write_config(preset_config('$PRESET'), '$dir')"
     run load-multiturn-on 200 $MS bench serve --base-url http://127.0.0.1:8124 $mt \
         --disable-tqdm --out "$W/load_multiturn_on.json"
     stop_server 8124 cache
-    for a in false true; do  # the device's idle share in decode steps, synchronous vs overlapped
+    stage_load-profile
+}
+stage_load-profile() {  # the device's idle share in batch-64 decode steps, synchronous vs overlapped
+    for a in false true; do
         run "load-profile-async-$a" 180 $MS bench profile --preset $PRESET --device cuda \
             --dtype bfloat16 --batch-size 64 --input-len 1024 --steps 16 \
             --engine enforce_eager=false,async_scheduling=$a --out "$W/profile_decode_async_$a.json"
     done
 }
-stage_load-sweep() {  # closed loop and Poisson 8 req/s at each prefill cap (LOAD_CAPS)
-    local dir=$W/preset port=8130
+stage_load-sweep() {  # closed loop and Poisson 8 req/s at each prefill cap (LOAD_CAPS), server flags
+    # SWEEP_FLAGS, file names tagged SWEEP_TAG
+    local dir=$W/preset port=${SWEEP_PORT:-8130}
     $PY -c "from mambaserve.bench.presets import preset_config, write_config; \
 write_config(preset_config('$PRESET'), '$dir')"
     [ -f "$W/one_batch_ideal.json" ] || [ -n "${LOAD_NO_IDEAL:-}" ] || run load-ideal 240 $MS bench one-batch --preset $PRESET \
@@ -171,15 +175,15 @@ write_config(preset_config('$PRESET'), '$dir')"
     for cap in ${LOAD_CAPS:-256 1024 2048}; do
         port=$((port + 1))
         start_server "$dir" $port --max-step-prefill-tokens $cap ${SWEEP_FLAGS:-}
-        run "sweep-closed-$cap" 120 $MS bench serve --base-url http://127.0.0.1:$port \
+        run "sweep-closed-$cap${SWEEP_TAG:-}" 120 $MS bench serve --base-url http://127.0.0.1:$port \
             --dataset random --input-len 1024 --output-len 256 --num-prompts 128 \
             --max-concurrency 64 \
             ${LOAD_NO_IDEAL:---ideal-from "$W/one_batch_ideal.json"} --disable-tqdm \
-            --out "$W/sweep_closed_$cap.json" --plot "$W/sweep_closed_$cap.png"
-        run "sweep-rate8-$cap" 90 $MS bench serve --base-url http://127.0.0.1:$port \
+            --out "$W/sweep_closed_$cap${SWEEP_TAG:-}.json" --plot "$W/sweep_closed_$cap${SWEEP_TAG:-}.png"
+        run "sweep-rate8-$cap${SWEEP_TAG:-}" 90 $MS bench serve --base-url http://127.0.0.1:$port \
             --dataset random --input-len 1024 --output-len 256 --num-prompts 120 --request-rate 8 \
-            --seed 1 --disable-tqdm --out "$W/sweep_rate8_$cap.json" --plot "$W/sweep_rate8_$cap.png"
-        stop_server $port "cap$cap"
+            --seed 1 --disable-tqdm --out "$W/sweep_rate8_$cap${SWEEP_TAG:-}.json" --plot "$W/sweep_rate8_$cap${SWEEP_TAG:-}.png"
+        stop_server $port "cap$cap${SWEEP_TAG:-}"
     done
 }
 stage_trace() {  # every Triton compile / autotune of a one-batch sweep, and the run it fell in
@@ -246,6 +250,37 @@ stage_prefill-graphs() {  # small prefill / mixed steps through CUDA graphs: GPU
         run "ttft-graphs-$g" 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
             --batch-size 1 --input-len 32,128,512,2048 --output-len 8 \
             --engine enforce_eager=false,cuda_graph_max_prefill_tokens=$g --out "$W/ttft_graphs_$g.json"
+    done
+}
+stage_suffix() {  # single-request latency with the prefix cache on: a follow-up turn's uncached
+    # suffix after a cached 2048-token history, then plain prompts and batch-1 decode with caching on
+    local eng="enforce_eager=false,cuda_graph_max_prefill_tokens=${SUFFIX_GRAPHS:-256}"
+    run suffix-ttft 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1 --input-len 32,128,512 --output-len 16 --cached-prefix-len 2048 \
+        --engine "$eng" --out "$W/suffix_ttft.json"
+    run suffix-cache-on 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1,8 --input-len 128,512,2048 --output-len 24 \
+        --engine "$eng,enable_prefix_caching=true" --out "$W/suffix_cache_on.json"
+}
+FAMILIES=${FAMILIES:-falcon-h1-7b granite-4.0-h-micro mamba-codestral-7b}
+stage_families() {  # the other families' presets: one batch, then where a prefill / decode step goes
+    for p in $FAMILIES; do
+        run "one-batch-$p" 200 $MS bench one-batch --preset $p --device cuda --dtype bfloat16 \
+            --batch-size 1,8 --input-len 2048 --output-len 24 \
+            --engine enforce_eager=false,chunked_prefill_size=16384 --out "$W/one_batch_$p.json"
+        run "profile-decode-$p" 150 $MS bench profile --preset $p --device cuda --dtype bfloat16 \
+            --batch-size 1 --input-len 2048 --steps 16 --engine enforce_eager=false \
+            --out "$W/profile_1x2048_$p.json"
+        [ -n "${FAMILIES_NO_PREFILL_PROFILE:-}" ] || run "profile-prefill-$p" 150 $MS bench profile \
+            --preset $p --device cuda --dtype bfloat16 --batch-size 8 --input-len 2048 --steps 2 \
+            --engine enforce_eager=false,chunked_prefill_size=16384 --out "$W/profile_8x2048_$p.json"
+    done
+}
+stage_families-hf() {  # transformers' class of each family on the same shapes (its torch path)
+    for p in $FAMILIES; do
+        run "hf-$p" 200 $MS bench one-batch --preset $p --backend hf --device cuda \
+            --dtype bfloat16 --batch-size 1 --input-len 512,2048 --output-len 8 \
+            --out "$W/hf_$p.json"
     done
 }
 stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch FP8 vs bf16, drift

@@ -11,7 +11,10 @@ and decode bandwidth against a device-to-device copy ceiling, both measured at s
 `--preset` builds the real architecture with random weights drawn in the target dtype on the
 device (`load_format="dummy"`: only config.json is written); `--save-reload DIR` instead writes a
 full HF-format safetensors checkpoint into DIR and loads it back through the normal loader.
-`--backend hf` runs transformers' NemotronHForCausalLM on the same shapes (its own random init).
+`--backend hf` runs the transformers class of the checkpoint's architecture on the same shapes
+(its own random init). `--cached-prefix-len P` measures a follow-up turn: each prompt is P cached
+tokens (prefilled once, untimed, with prefix caching on) followed by the L timed tokens, so TTFT is
+the uncached suffix's.
 The ceilings and the FLOP / byte counts behind MFU and the floors are in bench/roofline.py.
 """
 
@@ -52,6 +55,7 @@ class OneBatchConfig:
     warmup: int = 1
     seed: int = 0
     engine: dict = field(default_factory=dict)  # extra EngineConfig fields
+    cached_prefix_len: int = 0  # P tokens per prompt served from the prefix cache (0: none)
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -62,6 +66,10 @@ class OneBatchConfig:
             raise ValueError("batch-size, input-len and output-len must be >= 1")
         if self.backend not in ("mambaserve", "hf"):
             raise ValueError(f"unknown backend {self.backend!r}; use mambaserve or hf")
+        if self.cached_prefix_len < 0:
+            raise ValueError(f"--cached-prefix-len must be >= 0, got {self.cached_prefix_len}")
+        if self.cached_prefix_len and self.backend != "mambaserve":
+            raise ValueError("--cached-prefix-len needs the mambaserve backend (its prefix cache)")
         if self.preset is not None:
             from mambaserve.bench.presets import preset_config
 
@@ -145,6 +153,8 @@ class OneBatchResult:
     load_s: float = 0.0
     active_params: float = 0.0  # parameters a token multiplies (MoE: its k experts, not all E)
     fp8_params: int = 0  # weights stored as float8 (1 byte each in the decode floor)
+    cached_prefix_len: int = 0  # tokens before input_len per prompt, from the prefix cache
+    cached_tokens: list[int] = field(default_factory=list)  # per prompt: what the cache served
     note: str = ""
     error: str = ""
 
@@ -159,10 +169,12 @@ class _MambaserveBackend:
         from mambaserve.config import EngineConfig
         from mambaserve.engine.llm_engine import LLMEngine
 
-        whole = max(b * n for b in c.batch_sizes for n in c.input_lens)  # the largest batch
+        P = self.prefix_len = c.cached_prefix_len
+        whole = max(b * (P + n) for b in c.batch_sizes for n in c.input_lens)  # largest batch
         kw = {"dtype": c.dtype, "device": c.device, "max_num_seqs": max(c.batch_sizes),
               "chunked_prefill_size": whole,
-              "max_model_len": max(c.input_lens) + c.output_len + 16,
+              "max_model_len": P + max(c.input_lens) + c.output_len + 16,
+              **({"enable_prefix_caching": True} if P else {}),
               "load_format": load_format, "seed": c.seed,
               "async_scheduling": False,  # per-step timings of one batch: no run-ahead
               # the whole batch prefills at full speed: no cap for decodes already running
@@ -178,18 +190,27 @@ class _MambaserveBackend:
         self.fp8_params = sum(p.numel() for p in self.engine.model.parameters()
                               if p.dtype == torch.float8_e4m3fn)
         self.counter = 0
+        self.cached_tokens: list[int] = []  # per prompt of the last run: tokens the cache served
+
+    def _submit(self, prompts: list[list[int]], p) -> None:
+        for prompt in prompts:
+            self.counter += 1
+            self.engine.add_request(f"r{self.counter}", {"prompt_token_ids": prompt}, p)
 
     def run(self, b: int, n: int, out_len: int, seed: int) -> tuple[float, list[float]]:
         """(seconds until every prompt has its first token, decode step times after that)."""
         from mambaserve.engine.sampling_params import SamplingParams
 
         eng = self.engine
-        p = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-        ids = []
-        for prompt in _prompts(self.cfg.vocab_size, b, n, seed):
-            self.counter += 1
-            ids.append(f"r{self.counter}")
-            eng.add_request(ids[-1], {"prompt_token_ids": prompt}, p)
+        prompts = _prompts(self.cfg.vocab_size, b, n, seed)
+        if self.prefix_len:  # the earlier turn, untimed: its prefix state goes into the cache
+            prefixes = _prompts(self.cfg.vocab_size, b, self.prefix_len, seed + 7919)
+            self._submit(prefixes, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            while eng.has_unfinished_requests():
+                eng.step()
+            prompts = [a + q for a, q in zip(prefixes, prompts)]
+        self._submit(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+        cached: dict[str, int] = {}
         started: set[str] = set()
         prefill, steps = 0.0, []
         while eng.has_unfinished_requests():
@@ -198,17 +219,20 @@ class _MambaserveBackend:
             outs = eng.step()
             _sync(self.device)
             dt = time.perf_counter() - t
+            for o in outs:
+                cached.setdefault(o.request_id, o.num_cached_tokens)
             if len(started) < b:
                 prefill += dt
                 started.update(o.request_id for o in outs if o.outputs[0].token_ids)
             else:
                 steps.append(dt)
+        self.cached_tokens = list(cached.values())
         return prefill, steps
 
 
 class _HFBackend:
     def __init__(self, path: Path, c: OneBatchConfig, load_format: str) -> None:
-        from transformers import AutoConfig, NemotronHForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         from mambaserve.config import ModelConfig, resolve_dtype
 
@@ -219,9 +243,10 @@ class _HFBackend:
         if load_format == "dummy":  # transformers' own random init, on the device
             hf_cfg = AutoConfig.from_pretrained(path)
             with torch.device(self.device):
-                model = NemotronHForCausalLM._from_config(hf_cfg, dtype=dtype)
+                model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
         else:
-            model = NemotronHForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+        self.architecture = type(model).__name__
         self.model = model.eval()
         self.load_s = time.perf_counter() - t0
 
@@ -309,8 +334,8 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                 step = statistics.median(steps) if steps else float("nan")
                 fp8 = getattr(backend, "fp8_params", 0)
                 weight_bytes = decode_weight_bytes(counts, mcfg, b, dtype, fp8)
-                step_bytes = decode_step_bytes(mcfg, weight_bytes, b, n + c.output_len // 2,
-                                               dtype, ssm_dtype)
+                step_bytes = decode_step_bytes(mcfg, weight_bytes, b, c.cached_prefix_len + n
+                                               + c.output_len // 2, dtype, ssm_dtype)
                 bw = step_bytes / step if steps else float("nan")
                 r = OneBatchResult(
                     backend=c.backend, device=str(device), dtype=str(dtype).removeprefix("torch."),
@@ -324,7 +349,9 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                     decode_bandwidth_fraction=bw / cp["bytes_per_s"],
                     matmul_ceiling_flops=mm["flops"], copy_ceiling_bytes_per_s=cp["bytes_per_s"],
                     load_s=backend.load_s, active_params=counts.per_token + counts.lm_head,
-                    fp8_params=fp8, note=note, error=error)
+                    fp8_params=fp8, cached_prefix_len=c.cached_prefix_len,
+                    cached_tokens=list(getattr(backend, "cached_tokens", [])), note=note,
+                    error=error)
                 log(format_result(r))
                 results.append(r)
     finally:
@@ -342,7 +369,10 @@ def format_result(r: OneBatchResult) -> str:
               if r.active_params and r.active_params < 0.9 * r.params else "")
     head = (f"backend {r.backend} on {r.device} ({r.dtype}), {_count(r.params)} params{active}, "
             f"batch {r.batch_size} x input {r.input_len}, output {r.output_len}"
-            + (f", FP8 weights {_count(r.fp8_params)}" if r.fp8_params else ""))
+            + (f", FP8 weights {_count(r.fp8_params)}" if r.fp8_params else "")
+            + (f", after a cached prefix of {r.cached_prefix_len} (cache served "
+               f"{min(r.cached_tokens, default=0)}..{max(r.cached_tokens, default=0)} tokens)"
+               if r.cached_prefix_len else ""))
     if r.error:
         return f"{head}\nerror: {r.error}"
     lines = [head, (
@@ -399,12 +429,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=16,
                    help="1 measures prefill only (no decode steps)")
     p.add_argument("--backend", default="mambaserve", choices=["mambaserve", "hf"],
-                   help="hf: transformers' NemotronHForCausalLM on the same shapes")
+                   help="hf: the transformers class of the architecture on the same shapes")
     p.add_argument("--save-reload", default=None, metavar="DIR",
                    help="write the preset as a full safetensors checkpoint into DIR and load it "
                         "back (the load path at scale); default: random weights drawn on the "
                         "device at load, no checkpoint on disk")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs on the same shapes")
+    p.add_argument("--cached-prefix-len", type=int, default=0, metavar="P",
+                   help="a follow-up turn: each prompt starts with P tokens prefilled before "
+                        "(untimed) and served by the prefix cache, then --input-len timed tokens")
     p.add_argument("--out", default=None, help="write the results as a JSON list")
 
 
@@ -414,7 +447,7 @@ def run_cli(a: argparse.Namespace) -> int:
                        input_lens=int_list(a.input_len), output_len=a.output_len,
                        backend=a.backend, device=a.device, dtype=a.dtype,
                        save_reload=a.save_reload, warmup=a.warmup, seed=a.seed,
-                       engine=parse_settings(a.engine))
+                       engine=parse_settings(a.engine), cached_prefix_len=a.cached_prefix_len)
     results = run_one_batch(c)
     print(format_table(results))
     if a.out:

@@ -188,3 +188,32 @@ def test_one_batch_cli(tmp_path, capsys):
                  "--engine", "bogus=1"]) == 2
     assert main(["bench", "one-batch", "--preset", "tiny", "--device", "cpu",
                  "--batch-size", "two"]) == 2
+
+
+def test_one_batch_cached_prefix_times_the_suffix_of_a_cache_hit():
+    """--cached-prefix-len P: each timed prompt starts with P tokens an untimed earlier request
+    put into the prefix cache; the cache serves all P of them (P is a snapshot-block multiple)."""
+    rs = run_one_batch(OneBatchConfig(preset="tiny", batch_sizes=[2], input_lens=[8],
+                                      output_len=3, dtype="float32", cached_prefix_len=64),
+                       log=lambda *_: None)
+    (r,) = rs
+    assert r.cached_prefix_len == 64 and r.cached_tokens == [64, 64]
+    assert r.prefill_s > 0 and len(r.decode_steps) == 2 and not r.error
+    assert "cached prefix of 64 (cache served 64..64 tokens)" in format_result(r)
+    with pytest.raises(ValueError, match="mambaserve backend"):
+        run_one_batch(OneBatchConfig(preset="tiny", backend="hf", cached_prefix_len=64))
+
+
+def test_one_batch_hf_backend_runs_the_family_class(tmp_path):
+    """The HF peer builds the checkpoint's own transformers class (here Mamba2ForCausalLM)."""
+    from mambaserve.bench.one_batch import _HFBackend
+
+    cfg = preset_config("mamba-codestral-7b")
+    cfg.update(hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, n_groups=2,
+               state_size=16, vocab_size=256, chunk_size=16)
+    path = write_checkpoint(cfg, tmp_path / "m2", dtype=torch.float32)
+    backend = _HFBackend(path, OneBatchConfig(model=str(path), dtype="float32", device="cpu"),
+                         "auto")
+    assert backend.architecture == "Mamba2ForCausalLM"
+    prefill, steps = backend.run(1, 12, 3, seed=0)
+    assert prefill > 0 and len(steps) == 2
