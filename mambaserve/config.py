@@ -211,6 +211,12 @@ def resolve_device(name: str | torch.device) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     return str(name)
 
+# prefill tokens of the largest prefill / mixed CUDA graph on a GPU by default: prompts up to it
+# (and a follow-up turn's uncached suffix) get their first token in about a decode step, and the
+# steady prefill cap slices arrivals into graph-sized pieces beside running decodes
+# (docs/benchmarks.md: serving ITL p99 and short-prompt TTFT)
+DEFAULT_PREFILL_GRAPH_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -234,8 +240,9 @@ class EngineConfig:
     enforce_eager: bool | None = None
     cuda_graph_max_bs: int = 256
     # steps with a prefill part of at most this many tokens replay prefill / mixed CUDA graphs
-    # when graphs are on (engine/prefill_graph.py); 0 = those steps always run eagerly
-    cuda_graph_max_prefill_tokens: int = 0
+    # when graphs are on (engine/prefill_graph.py); 0 = those steps always run eagerly; None =
+    # DEFAULT_PREFILL_GRAPH_TOKENS on CUDA, 0 elsewhere
+    cuda_graph_max_prefill_tokens: int | None = None
     # "auto": safetensors weights; "dummy": random weights at the config's shapes (benchmarks)
     load_format: str = "auto"
     # overlap scheduling (docs/architecture.md, "The step loop"): None = on when the device is
@@ -287,7 +294,8 @@ class EngineConfig:
               f"must be a positive number of tokens, got {self.mamba_snapshot_interval}")
         check(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs",
               f"must be >= 1, got {self.cuda_graph_max_bs}")
-        check(self.cuda_graph_max_prefill_tokens >= 0, "cuda_graph_max_prefill_tokens",
+        check(self.cuda_graph_max_prefill_tokens is None or self.cuda_graph_max_prefill_tokens >= 0,
+              "cuda_graph_max_prefill_tokens",
               f"must be >= 0 (0 = off), got {self.cuda_graph_max_prefill_tokens}")
         check(self.max_step_prefill_tokens >= 1, "max_step_prefill_tokens",
               f"must be >= 1, got {self.max_step_prefill_tokens}")
@@ -380,7 +388,7 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
     "cuda_graph_max_prefill_tokens": ("--cuda-graph-max-prefill-tokens", dict(
         type=int, help="steps whose prefill part has at most this many tokens (up to 4 prefill "
                        "rows, plus decode rows) replay CUDA graphs too; 0 = they run eagerly "
-                       "(default: %(default)s)")),
+                       "(default: 256 on a GPU, 0 on a CPU)")),
     "load_format": ("--load-format", dict(
         choices=["auto", "dummy"], help="auto: safetensors weights; dummy: random weights at "
                                         "the config's shapes (benchmarks; the model folder "

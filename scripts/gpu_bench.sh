@@ -4,6 +4,7 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
+#         latency attention-decode
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -178,7 +179,7 @@ write_config(preset_config('$PRESET'), '$dir')"
         run "sweep-closed-$cap${SWEEP_TAG:-}" 120 $MS bench serve --base-url http://127.0.0.1:$port \
             --dataset random --input-len 1024 --output-len 256 --num-prompts 128 \
             --max-concurrency 64 \
-            ${LOAD_NO_IDEAL:---ideal-from "$W/one_batch_ideal.json"} --disable-tqdm \
+            $( [ -n "${LOAD_NO_IDEAL:-}" ] || echo --ideal-from "$W/one_batch_ideal.json") --disable-tqdm \
             --out "$W/sweep_closed_$cap${SWEEP_TAG:-}.json" --plot "$W/sweep_closed_$cap${SWEEP_TAG:-}.png"
         run "sweep-rate8-$cap${SWEEP_TAG:-}" 90 $MS bench serve --base-url http://127.0.0.1:$port \
             --dataset random --input-len 1024 --output-len 256 --num-prompts 120 --request-rate 8 \
@@ -282,6 +283,23 @@ stage_families-hf() {  # transformers' class of each family on the same shapes (
             --dtype bfloat16 --batch-size 1 --input-len 512,2048 --output-len 8 \
             --out "$W/hf_$p.json"
     done
+}
+stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a stream's view), twice
+    # for the 9B preset (run-to-run spread), once per family (b 1 and 8)
+    for i in 1 2; do
+        run "latency-9b-$i" 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+            --batch-size 1 --input-len 32,128,512,2048 --output-len 24 \
+            --engine enforce_eager=false,async_scheduling=true --out "$W/latency_9b_$i.json"
+    done
+    for p in $FAMILIES; do
+        run "latency-$p" 200 $MS bench one-batch --preset $p --device cuda --dtype bfloat16 \
+            --batch-size 1,8 --input-len 2048 --output-len 24 \
+            --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
+            --out "$W/latency_$p.json"
+    done
+}
+stage_attention-decode() {  # the per-token paged attention's tuning at the presets' shapes
+    run attention-decode 200 $PY scripts/decode_attention_sweep.py --out "$W/decode_attention.json"
 }
 stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch FP8 vs bf16, drift
     run fp8-tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_fp8_matmul.py \

@@ -15,6 +15,9 @@ full HF-format safetensors checkpoint into DIR and loads it back through the nor
 (its own random init). `--cached-prefix-len P` measures a follow-up turn: each prompt is P cached
 tokens (prefilled once, untimed, with prefix caching on) followed by the L timed tokens, so TTFT is
 the uncached suffix's.
+Steps run without overlap scheduling (each step timed between device syncs) unless `--engine
+async_scheduling=true`: then nothing syncs and a decode step's time is the interval between its
+outputs, the inter-token latency a stream sees with the host running one step ahead.
 The ceilings and the FLOP / byte counts behind MFU and the floors are in bench/roofline.py.
 """
 
@@ -120,7 +123,9 @@ def _typed(key: str, value: str, default):
             raise ValueError(f"{key} takes true/false, got {value!r}")
         return value.lower() in ("true", "1", "yes")
     if isinstance(default, int) or key in ("max_model_len", "memory_budget_bytes",
-                                           "mamba_snapshot_interval"):
+                                           "mamba_snapshot_interval",
+                                           "cuda_graph_max_prefill_tokens",
+                                           "steady_step_prefill_tokens"):
         return int(value)
     if isinstance(default, float):
         return float(value)
@@ -176,7 +181,9 @@ class _MambaserveBackend:
               "max_model_len": P + max(c.input_lens) + c.output_len + 16,
               **({"enable_prefix_caching": True} if P else {}),
               "load_format": load_format, "seed": c.seed,
-              "async_scheduling": False,  # per-step timings of one batch: no run-ahead
+              # per-step timings of one batch without run-ahead unless --engine turns it on
+              # (then a step's time is the interval between its outputs, as a stream sees it)
+              "async_scheduling": False,
               # the whole batch prefills at full speed: no cap for decodes already running
               # (rows that start decoding early would otherwise finish before the last one
               # prefills, and the decode steps measured would be of a smaller batch)
@@ -204,7 +211,8 @@ class _MambaserveBackend:
         eng = self.engine
         prompts = _prompts(self.cfg.vocab_size, b, n, seed)
         if self.prefix_len:  # the earlier turn, untimed: its prefix state goes into the cache
-            prefixes = _prompts(self.cfg.vocab_size, b, self.prefix_len, seed + 7919)
+            # a history of its own per prompt length (no earlier run's suffix is cached)
+            prefixes = _prompts(self.cfg.vocab_size, b, self.prefix_len, seed + 7919 + 31 * n)
             self._submit(prefixes, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             while eng.has_unfinished_requests():
                 eng.step()
@@ -213,11 +221,15 @@ class _MambaserveBackend:
         cached: dict[str, int] = {}
         started: set[str] = set()
         prefill, steps = 0.0, []
+        overlap = eng.async_scheduling  # no device sync between steps: the host runs ahead
+        _sync(self.device)
         while eng.has_unfinished_requests():
-            _sync(self.device)
+            if not overlap:
+                _sync(self.device)
             t = time.perf_counter()
             outs = eng.step()
-            _sync(self.device)
+            if not overlap:
+                _sync(self.device)
             dt = time.perf_counter() - t
             for o in outs:
                 cached.setdefault(o.request_id, o.num_cached_tokens)

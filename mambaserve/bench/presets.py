@@ -72,7 +72,9 @@ PRESETS: dict[str, dict] = {
     # granite-4.0-h-micro shapes (dense Granite-4.0-H: a shared SwiGLU MLP, no routed experts),
     # from a public granite4-h test config: 40 layers, attention every 6th of the first 36,
     # hidden 2048, 32 / 8 heads, MLP 8192, 64 Mamba heads of 64, state 128, NoPE, tied
-    # embeddings. The MoE -small is the preset "granite-4.0-h-small" below.
+    # embeddings; the vocabulary of the granite-4.0 family (100352, as -tiny and -small: the
+    # test config's 100096 left its pad_token_id 100256 outside the table). The MoE -small is
+    # the preset "granite-4.0-h-small" below.
     "granite-4.0-h-micro": {
         "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
         "num_hidden_layers": 40,
@@ -83,7 +85,7 @@ PRESETS: dict[str, dict] = {
         "mamba_n_heads": 64, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True,
         "mamba_proj_bias": False, "attention_bias": False, "position_embedding_type": "nope",
-        "vocab_size": 100096, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "vocab_size": 100352, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
         "embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.015625, "tie_word_embeddings": True,
         "time_step_limit": [0.0, {"__float__": "Infinity"}],

@@ -17,7 +17,12 @@ import torch
 
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.state_pool import StatePool
-from mambaserve.config import EngineConfig, ModelConfig, resolve_dtype
+from mambaserve.config import (
+    DEFAULT_PREFILL_GRAPH_TOKENS,
+    EngineConfig,
+    ModelConfig,
+    resolve_dtype,
+)
 from mambaserve.distributed.group import TPGroup
 from mambaserve.distributed.sharding import shard_model
 from mambaserve.engine.runner import ModelRunner
@@ -110,6 +115,14 @@ def pool_sizes(cfg: ModelConfig, c: EngineConfig, dtype: torch.dtype, ssm_dtype:
     return int(num_slots), int(num_pages)
 
 
+def prefill_graph_tokens(config: EngineConfig, device: torch.device) -> int:
+    """cuda_graph_max_prefill_tokens as set, else DEFAULT_PREFILL_GRAPH_TOKENS on CUDA, 0 (no
+    prefill graphs) elsewhere."""
+    if config.cuda_graph_max_prefill_tokens is not None:
+        return config.cuda_graph_max_prefill_tokens
+    return DEFAULT_PREFILL_GRAPH_TOKENS if device.type == "cuda" else 0
+
+
 def prefill_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int):
     """Prefill / mixed-step graphs (engine/prefill_graph.py), captured into the decode graphs'
     memory pool: prefill parts up to cuda_graph_max_prefill_tokens (no more than a step's token
@@ -118,7 +131,7 @@ def prefill_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int
 
     graphs = PrefillGraphRunner(
         runner.model, runner.state_pool, runner.kv_pool,
-        max_tokens=min(config.cuda_graph_max_prefill_tokens, config.chunked_prefill_size),
+        max_tokens=min(prefill_graph_tokens(config, runner.device), config.chunked_prefill_size),
         max_decodes=min(runner.graph_runner.max_bs, MAX_MIXED_DECODES),
         max_model_len=max_model_len, snapshots=config.enable_prefix_caching,
         device=runner.device)
@@ -160,6 +173,6 @@ def build_rank(path: str | Path, config: EngineConfig, model_config: ModelConfig
             model, sp, kv, max_bs=min(config.cuda_graph_max_bs, config.max_num_seqs),
             max_model_len=max_model_len, snapshots=config.enable_prefix_caching, device=device)
         runner.graph_runner.capture()  # under tensor parallelism every rank captures in step
-        if config.cuda_graph_max_prefill_tokens:
+        if prefill_graph_tokens(config, device):
             runner.prefill_graph_runner = prefill_graphs(runner, config, max_model_len)
     return RankModel(model, local, sp, kv, runner, dtype, ssm_dtype, wb, eb)
