@@ -187,7 +187,7 @@ class _MambaserveBackend:
               # the whole batch prefills at full speed: no cap for decodes already running
               # (rows that start decoding early would otherwise finish before the last one
               # prefills, and the decode steps measured would be of a smaller batch)
-              "max_step_prefill_tokens": whole,
+              "max_step_prefill_tokens": whole, "steady_step_prefill_tokens": whole,
               **c.engine}
         t0 = time.perf_counter()
         self.engine = LLMEngine(path, EngineConfig(**kw))

@@ -303,9 +303,9 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
     block_n, num_warps = cfg["block_n"], cfg["num_warps"]
     BLOCK_G = max(16, triton.next_power_of_2(rep))
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
-    BLOCK_N = block_n or max(16, min(64, triton.next_power_of_2(page_size)))
     IP = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     if tiled:
+        BLOCK_N = block_n or max(16, min(64, triton.next_power_of_2(page_size)))
         BLOCK_M = max(16, triton.next_power_of_2(cfg["block_m"]), triton.next_power_of_2(rep))
         tpb = max(1, BLOCK_M // rep)
         _paged_attention_tiled_kernel[(triton.cdiv(T, tpb), Hkv)](
@@ -314,6 +314,9 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, num_warps=num_warps,
         )
         return out
+    # a K/V tile of 4096 elements: 32 keys of head_dim 128, 64 of head_dim 64 (the best block_n
+    # at 64 decode tokens in scripts/decode_attention_sweep.py; fewer serial steps per program)
+    BLOCK_N = block_n or max(16, min(64, 4096 // BLOCK_D))
     if num_warps is None:
         num_warps = 4 if BLOCK_D * BLOCK_N >= 4096 else 2
     num_splits, min_split_keys = cfg["num_splits"], cfg["min_split_keys"]

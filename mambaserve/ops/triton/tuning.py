@@ -59,12 +59,13 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
         "block_m_scan": None, "block_p_scan": None, "block_k_scan": 16, "block_n_scan": None,
         "num_warps_scan": 4, "num_stages_scan": 3,
     }),
-    # per-token paged attention (decode tokens): None = block_n max(16, min(64, pow2(page_size)));
+    # per-token paged attention (decode tokens): None = block_n max(16, min(64, 4096 // BLOCK_D));
     # num_warps 4 when BLOCK_D * BLOCK_N >= 4096, else 2; num_splits from the split-KV heuristic
     # (choose_num_splits with min_split_keys), an int forces that many key partitions
     "paged_attention": MappingProxyType({"block_n": None, "num_warps": None, "num_splits": None,
                                          "min_split_keys": 256}),
-    # tiled paged attention (prefill tokens): block_m query rows per program; block_n as above
+    # tiled paged attention (prefill tokens): block_m query rows per program; block_n None =
+    # max(16, min(64, pow2(page_size)))
     "paged_attention_tiled": MappingProxyType({"block_m": 128, "block_n": None, "num_warps": 4}),
     # rotary: None = block_h min(16, pow2(heads))
     "rotary": MappingProxyType({"block_h": None}),
