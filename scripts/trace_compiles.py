@@ -48,9 +48,9 @@ autotuner.Autotuner._bench = _traced_bench
 
 
 def _bracket_one_batch() -> None:
-    from mambaserve.bench import one_batch
+    from mambaserve.bench import one_batch_backends
 
-    run = one_batch._MambaserveBackend.run
+    run = one_batch_backends.MambaserveBackend.run
 
     def traced(self, b, n, out_len, seed):
         print(f"{_stamp()} run b={b} n={n} out={out_len} seed={seed}", flush=True)
@@ -60,7 +60,7 @@ def _bracket_one_batch() -> None:
               f"{res[0] * 1e3:.1f} ms", flush=True)
         return res
 
-    one_batch._MambaserveBackend.run = traced
+    one_batch_backends.MambaserveBackend.run = traced
 
 
 if __name__ == "__main__":

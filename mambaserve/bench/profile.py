@@ -33,14 +33,13 @@ import torch
 from mambaserve.bench.one_batch import (
     ModelCounts,
     OneBatchConfig,
-    _MambaserveBackend,
-    _prompts,
-    _sync,
     add_model_args,
     copy_ceiling,
     matmul_ceiling,
     parse_settings,
 )
+from mambaserve.bench.one_batch_backends import MambaserveBackend, random_prompts
+from mambaserve.bench.roofline import sync
 
 # (group, substrings of a kernel / operator name), first match wins; names are lower-cased.
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -111,10 +110,10 @@ def _profiled(fn, device: torch.device):
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         steps = fn()
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - t0
     return prof, wall, steps
 
@@ -163,13 +162,13 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
         cfg_dict = json.loads((path / "config.json").read_text())
         counts = ModelCounts.of(cfg_dict)
         cfg = ModelConfig.from_dict(cfg_dict)
-        backend = _MambaserveBackend(path, c, load_format)
+        backend = MambaserveBackend(path, c, load_format)
         for w in range(c.warmup):  # compile, autotune, capture the graphs on the same shapes
             backend.run(b, n, decode_steps + 2, c.seed + 1000 + w)
         eng = backend.engine
         params = SamplingParams(temperature=0, max_tokens=c.output_len, ignore_eos=True)
         ids = []
-        for prompt in _prompts(cfg.vocab_size, b, n, c.seed):
+        for prompt in random_prompts(cfg.vocab_size, b, n, c.seed):
             backend.counter += 1
             ids.append(f"p{backend.counter}")
             eng.add_request(ids[-1], {"prompt_token_ids": prompt}, params)
@@ -198,7 +197,7 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
         if mixed_len:
             new = f"m{backend.counter + 1}"
             backend.counter += 1
-            prompt = _prompts(cfg.vocab_size, 1, mixed_len, c.seed + 7)[0]
+            prompt = random_prompts(cfg.vocab_size, 1, mixed_len, c.seed + 7)[0]
             eng.add_request(new, {"prompt_token_ids": prompt},
                             SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
 

@@ -20,7 +20,7 @@ from mambaserve.distributed.parallel_modules import (
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.paged_attention import paged_attention, write_kv
-from mambaserve.ops.rotary import apply_rotary
+from mambaserve.ops.rotary import apply_rotary, rotary_cos_sin
 
 
 class Attention(nn.Module):
@@ -38,6 +38,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+
+    def rope_tables(self, meta: ForwardMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos / sin tables of this forward's positions (None without RoPE): every attention
+        layer of a model has the same theta and rotary_dim, so the model computes them once per
+        forward and hands them to each layer (a few launches per forward instead of per layer)."""
+        if self.rope_theta is None:
+            return None
+        return rotary_cos_sin(meta.positions, self.rope_theta, self.rotary_dim)
 
     def shard(self, tp: TPGroup) -> None:
         """Keep this rank's query heads and the KV heads they read: KV heads split when tp
@@ -65,9 +73,10 @@ class Attention(nn.Module):
         scale_linear_(self.o_proj, out_scale)
         self.key_multiplier = 1.0
 
-    def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor
-                ) -> torch.Tensor:
-        """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim]."""
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim];
+        rope: `rope_tables(meta)` of the forward (computed here when None)."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x)
@@ -76,7 +85,8 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.rope_theta is not None:
-            q, k = apply_rotary(q, k, meta.positions, self.rope_theta, self.rotary_dim)
+            q, k = apply_rotary(q, k, meta.positions, self.rope_theta, self.rotary_dim,
+                                cos_sin=rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta.page_table, meta.token_row, meta.positions,
                               meta.max_kv_len, self.scale, meta.num_prefill_tokens)

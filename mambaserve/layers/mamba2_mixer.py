@@ -72,6 +72,20 @@ class Mamba2Mixer(nn.Module):
         self.segment_multipliers = [torch.tensor(float(m), dtype=dtype, device="cpu").item()
                                     for m in cfg.ssm_proj_multipliers]
         self.proj_multipliers = self._proj_multipliers()
+        self._A: tuple[torch.Tensor, tuple, torch.Tensor] | None = None  # see decay_rates
+
+    def decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log) in float32, computed once and kept while A_log is the same tensor
+        with the same version counter, device and dtype (loading, sharding, moving or a test's
+        in-place copy recompute it), instead of two launches per layer per forward."""
+        a = self.A_log
+        state = (a._version, a.device, a.dtype, a.data_ptr())
+        if self._A is None or self._A[0] is not a or self._A[1] != state:
+            # a plain tensor (not an inference tensor), usable by forwards in and out of
+            # inference mode; no autograd history (A_log is not trained here)
+            with torch.inference_mode(False), torch.no_grad():
+                self._A = (a, state, -torch.exp(a.detach().float()))
+        return self._A[2]
 
     def _proj_multipliers(self) -> list[tuple[int, int, float]]:
         GN = self.n_groups * self.state_size
@@ -137,7 +151,7 @@ class Mamba2Mixer(nn.Module):
         for start, end, m in self.proj_multipliers:  # in place on in_proj's fresh output
             zxbcdt[:, start:end].mul_(m)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        A = -torch.exp(self.A_log.float())
+        A = self.decay_rates()
         # mixed batches assemble y from both paths; single-kind batches use that path's output
         y = torch.empty(T, H, P, dtype=x.dtype, device=x.device) \
             if meta.num_prefills and meta.num_decodes else None

@@ -121,9 +121,8 @@ class HybridForCausalLM(nn.Module):
         """h += pending (the previous sub-block's output), then norm(h): one pass when fused."""
         if pending is None:
             return norm(h.to(self.embed_tokens.weight.dtype)), h
-        if self.cfg.residual_in_fp32:  # h float32; the norm sees it in the model dtype
-            h = h + pending
-            return norm(h.to(self.embed_tokens.weight.dtype)), h
+        # residual_in_fp32: h is float32 and the fused norm normalizes h + pending rounded to the
+        # model dtype (ops/rmsnorm.py), as norm((h + pending).to(dtype)) would
         return norm(pending, h)
 
     def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
@@ -140,6 +139,8 @@ class HybridForCausalLM(nn.Module):
         if cfg.residual_in_fp32:
             h = h.float()
         pending = None  # the last sub-block's output, not yet added to h
+        attn = next((layer.self_attn for layer in self.layers if layer.spec.attention), None)
+        rope = attn.rope_tables(meta) if attn is not None else None  # shared by every layer
         for i, layer in enumerate(self.layers):
             spec = layer.spec
             if spec.has_mixer:
@@ -153,7 +154,7 @@ class HybridForCausalLM(nn.Module):
                         out = out * mult.ssm_out
                 if spec.attention:
                     xa = x * mult.attention_in if mult.attention_in != 1.0 else x
-                    a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]])
+                    a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]], rope)
                     if mult.attention_out != 1.0:
                         a = a * mult.attention_out
                     out = a if out is None else out + a

@@ -92,6 +92,8 @@ CONDITIONS: dict[str, Condition | None] = {
     "rms_norm": None,
     # one flat pass over the elements
     "relu2": Condition(("x",), lambda x: x.is_contiguous(), "non-contiguous inputs"),
+    "silu_mul": Condition(("gate_up",), lambda gate_up: gate_up.is_contiguous(),
+                          "non-contiguous inputs"),
     "apply_rotary": None,
     "write_kv": None,
     "moe_experts": None,

@@ -7,6 +7,10 @@ statistics and weight multiply, one cast back to x.dtype at the end.
 x.dtype, as torch's add does) and normalizes s; it returns (RMSNorm(s), s). A block's
 `h = h + mixer_out; x = norm(h)` becomes one pass that reads h and mixer_out once and writes both
 the new residual stream and the normalized input of the next mixer.
+
+A float32 `residual` beside a lower-precision x (a residual stream kept in float32, Mamba2's
+`residual_in_fp32`) gives s = residual + x in float32 (returned so), and the norm reads s rounded
+to x.dtype: what `norm((residual + x).to(x.dtype))` computes, in one pass.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from mambaserve.ops.dispatch import kernel_path
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, D] (rows may be strided); weight: [D]; residual: None or like x.
+    """x: [T, D] (rows may be strided); weight: [D]; residual: None, or [T, D] in x.dtype or
+    float32.
 
-    Returns out [T, D] in x.dtype, or (out, s) with s = residual + x when residual is given.
+    Returns out [T, D] in x.dtype, or (out, s) with s = residual + x (in residual's dtype) when
+    residual is given; out normalizes s rounded to x.dtype.
     """
     if kernel_path("rms_norm", x.device) == "triton":
         from mambaserve.ops.triton.rmsnorm import rms_norm_triton
@@ -34,7 +40,7 @@ def rms_norm_ref(x, weight, eps, residual=None):
     # The float math is `RMSNorm.forward` verbatim, so the fused op can replace the module
     # bit-for-bit on the reference path.
     s = x if residual is None else residual + x
-    h = s.float()
+    h = s.to(x.dtype).float()  # a float32 residual stream: the norm reads it rounded to x.dtype
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = (weight.float() * h).to(s.dtype)
+    out = (weight.float() * h).to(x.dtype)
     return out if residual is None else (out, s)

@@ -37,16 +37,20 @@ def rotary_cos_sin(positions: torch.Tensor, theta: float,
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float,
-                 rotary_dim: int, neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 rotary_dim: int, neox: bool = True,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D]; k: [T, H_kv, D]; positions: [T] int64 absolute positions; rotary_dim even,
-    <= D. Returns new (q, k) in their input dtypes."""
+    <= D. Returns new (q, k) in their input dtypes. `cos_sin`: `rotary_cos_sin(positions, theta,
+    rotary_dim)` computed once by the caller for every layer of a forward (the same values)."""
     if kernel_path("apply_rotary", q.device) == "triton":
         from mambaserve.ops.triton.rotary import apply_rotary_triton
 
         _check(q, k, positions, rotary_dim)
-        cos, sin = rotary_cos_sin(positions, theta, rotary_dim)
+        cos, sin = cos_sin if cos_sin is not None else rotary_cos_sin(positions, theta,
+                                                                       rotary_dim)
         return apply_rotary_triton(q, k, cos, sin, rotary_dim, neox)
-    return apply_rotary_ref(q, k, positions, theta, rotary_dim, neox)
+    return apply_rotary_ref(q, k, positions, theta, rotary_dim, neox, cos_sin)
 
 
 def _check(q, k, positions, rotary_dim):
@@ -56,9 +60,9 @@ def _check(q, k, positions, rotary_dim):
     assert rotary_dim % 2 == 0 and 0 < rotary_dim <= D, (rotary_dim, D)
 
 
-def apply_rotary_ref(q, k, positions, theta, rotary_dim, neox=True):
+def apply_rotary_ref(q, k, positions, theta, rotary_dim, neox=True, cos_sin=None):
     _check(q, k, positions, rotary_dim)
-    cos, sin = rotary_cos_sin(positions, theta, rotary_dim)  # [T, rotary_dim / 2]
+    cos, sin = cos_sin if cos_sin is not None else rotary_cos_sin(positions, theta, rotary_dim)
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = rotary_dim // 2
 

@@ -206,13 +206,13 @@ def test_one_batch_cached_prefix_times_the_suffix_of_a_cache_hit():
 
 def test_one_batch_hf_backend_runs_the_family_class(tmp_path):
     """The HF peer builds the checkpoint's own transformers class (here Mamba2ForCausalLM)."""
-    from mambaserve.bench.one_batch import _HFBackend
+    from mambaserve.bench.one_batch_backends import HFBackend
 
     cfg = preset_config("mamba-codestral-7b")
     cfg.update(hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, n_groups=2,
                state_size=16, vocab_size=256, chunk_size=16)
     path = write_checkpoint(cfg, tmp_path / "m2", dtype=torch.float32)
-    backend = _HFBackend(path, OneBatchConfig(model=str(path), dtype="float32", device="cpu"),
+    backend = HFBackend(path, OneBatchConfig(model=str(path), dtype="float32", device="cpu"),
                          "auto")
     assert backend.architecture == "Mamba2ForCausalLM"
     prefill, steps = backend.run(1, 12, 3, seed=0)

@@ -155,10 +155,20 @@ def test_gpu_scaled_mm_matches_the_reference(M, K, N, static):
     wq, ws = quantize_weight_fp8(w)
     in_scale = (x.float().abs().amax() / 448.0).reshape(()) if static else None
     assert kernel_path("fp8_linear", x.device, x=x, weight=wq) == "triton"
+    from mambaserve.ops.triton.fp8_quant import quantize_fp8_triton
+
     got = fp8_linear(x, wq, ws, in_scale)
-    want = fp8_linear_ref(x, wq, ws, in_scale)
+    # the reference's math on the kernel's own quantized activations: its scale may differ from
+    # the reference quantization's by one float32 ulp (the test above), which moves an element at
+    # an e4m3 rounding boundary by a whole e4m3 step (~12 % of it) in one of 9M outputs
+    q, s = quantize_fp8_triton(x, in_scale)
+    want = ((q.float() * s) @ (wq.float() * ws.float().reshape(-1, 1)).t()).to(x.dtype)
     # same quantized operands; float32 accumulation in another order, one bf16 rounding each
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    # and the whole op against the reference quantization, up to those boundary elements
+    ref = fp8_linear_ref(x, wq, ws, in_scale).float()
+    far = (got.float() - ref).abs() > 1e-2 * ref.abs().max().item() + 1e-2 * ref.abs()
+    assert far.float().mean().item() < 1e-5, far.sum().item()
 
 
 @gpu

@@ -1,5 +1,5 @@
-"""Triton relu² vs. the reference (CPU interpreter without CUDA; compiled with it): bit-identical,
-and the public op's dispatch."""
+"""Triton relu² and silu_mul vs. their references (CPU interpreter without CUDA; compiled with
+it): relu² bit-identical, silu_mul within one ulp of the dtype; the public ops' dispatch."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
-from mambaserve.ops.activation import relu2, relu2_ref
+from mambaserve.ops.activation import relu2, relu2_ref, silu_mul, silu_mul_ref
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton.activation import _relu2_kernel, relu2_triton
+from mambaserve.ops.triton.activation import _relu2_kernel, relu2_triton, silu_mul_triton
 
 require_interpreter(_relu2_kernel)
 
@@ -39,3 +39,38 @@ def test_relu2_at_the_9b_mlp_shape_on_gpu():
 def test_relu2_dispatch_on_cpu_is_the_reference():
     x = torch.randn(4, 9)
     assert torch.equal(relu2(x), torch.relu(x).square())
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of the dtype's spacing at b (float32 math)."""
+    spacing = torch.finfo(b.dtype).eps * b.float().abs().clamp_min(torch.finfo(b.dtype).tiny)
+    return (a.float() - b.float()).abs() / spacing
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, block", [((3, 2 * 37), 16), ((5, 2 * 128), 64), ((1, 2), 16),
+                                          ((0, 8), 16), ((2, 3, 2 * 20), 32)])
+def test_silu_mul_kernel_matches_the_torch_expression(dtype, shape, block):
+    """silu(gate) * up with both of torch's roundings; the kernel's exp may move an element by
+    one ulp of the dtype (float32 on the interpreter: numpy's exp, the same to 2 ulps)."""
+    x = (3 * torch.randn(shape, generator=torch.Generator().manual_seed(1))).to(DEV, dtype)
+    with tuning.override("silu_mul", block=block, num_warps=2):
+        y = silu_mul_triton(x)
+    want = silu_mul_ref(x)
+    assert y.shape == want.shape == (*shape[:-1], shape[-1] // 2) and y.dtype == dtype
+    if y.numel():
+        assert _ulps_apart(y, want).max().item() <= 2.0
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+def test_silu_mul_at_the_falcon_mlp_shape_on_gpu():
+    x = torch.randn(2048, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    y = silu_mul(x)  # default block and warps
+    assert _ulps_apart(y, silu_mul_ref(x)).max().item() <= 1.0
+    t = x[:, :200]  # not contiguous: the op falls back to the reference
+    assert torch.equal(silu_mul(t), silu_mul_ref(t))
+
+
+def test_silu_mul_dispatch_on_cpu_is_the_reference():
+    x = torch.randn(4, 10)
+    assert torch.equal(silu_mul(x), torch.nn.functional.silu(x[:, :5]) * x[:, 5:])

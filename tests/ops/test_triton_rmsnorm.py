@@ -60,6 +60,24 @@ def test_matches_reference(T, D, strided, residual, dtype):
     _check(T, D, dtype, residual, strided, seed=T * D + residual)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []),
+                         ids=str)
+def test_float32_residual_stream(dtype):
+    """A float32 residual beside a half-precision x (Mamba2's residual_in_fp32): s = r + x stays
+    float32, bit-identical to torch's add, and the norm is the unfused norm((r + x).to(dtype)),
+    on the reference and the kernel."""
+    x, _, w = _inputs(5, 72, dtype, seed=3)
+    r = 3 * torch.randn(5, 72, generator=torch.Generator().manual_seed(4)).to(DEV)
+    want_s = r + x
+    want = rms_norm_ref(want_s.to(dtype), w, EPS)
+    ref, ref_s = rms_norm_ref(x, w, EPS, r)
+    out, s = rms_norm_triton(x, w, EPS, r)
+    assert s.dtype == ref_s.dtype == torch.float32 and out.dtype == ref.dtype == dtype
+    assert torch.equal(ref_s, want_s) and torch.equal(s, want_s)
+    assert torch.equal(ref, want)
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-3, atol=1e-3)
+
+
 def test_fp64_residual_added_natively():
     _check(4, 72, torch.float64, residual=True, strided=True)
 

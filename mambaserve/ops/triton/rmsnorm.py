@@ -1,4 +1,5 @@
-"""Triton RMSNorm, optionally fused with the residual add: out = cast(w · rmsnorm(s)), s = r + x.
+"""Triton RMSNorm, optionally fused with the residual add: out = cast(w · rmsnorm(s)), s = r + x
+(r in x's dtype, or float32: then s is float32 and normalized rounded to x's dtype).
 
 Grid: (tokens,). One program holds one whole row in registers (BLOCK_D = next power of two >= D,
 masked), so each input is read once and each output written once: with a residual it loads x
@@ -42,7 +43,7 @@ def _rms_norm_kernel(
         else:
             s = (xv.to(tl.float32) + rv.to(tl.float32)).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + t * s_t + offs, s, mask=m)
-        xv = s
+        xv = s.to(x_ptr.dtype.element_ty)  # a float32 s (float32 residual) is normalized rounded
     h = xv.to(tl.float32)
     # masked lanes hold 0, so they add nothing to the sum of squares
     ms = tl.sum(h * h, axis=0) / D
@@ -57,10 +58,11 @@ def rms_norm_triton(x, weight, eps, residual=None):
     T, D = x.shape
     assert weight.shape == (D,), (x.shape, weight.shape)
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (
+        assert residual.shape == x.shape and residual.dtype in (x.dtype, torch.float32), (
             x.shape, x.dtype, residual.shape, residual.dtype)
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    s = None if residual is None else torch.empty((T, D), dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty((T, D), dtype=residual.dtype,
+                                                  device=x.device)
     if T == 0 or D == 0:
         return out if s is None else (out, s)
     BLOCK_D = triton.next_power_of_2(D)
@@ -77,7 +79,9 @@ def rms_norm_triton(x, weight, eps, residual=None):
         x, r, weight, out, s_arg, D, float(eps),
         x.stride(0), x.stride(1), r.stride(0), r.stride(1), weight.stride(0),
         out.stride(0), s_arg.stride(0),
-        HAS_RESIDUAL=residual is not None, ADD_NATIVE=x.dtype in (torch.float32, torch.float64),
+        HAS_RESIDUAL=residual is not None,
+        ADD_NATIVE=x.dtype in (torch.float32, torch.float64) and (residual is None
+                                                                  or residual.dtype == x.dtype),
         BLOCK_D=BLOCK_D, num_warps=num_warps,
     )
     return out if s is None else (out, s)
