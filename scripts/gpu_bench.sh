@@ -4,7 +4,7 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency attention-decode
+#         latency attention-decode tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -300,6 +300,37 @@ stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a strea
 }
 stage_attention-decode() {  # the per-token paged attention's tuning at the presets' shapes
     run attention-decode 200 $PY scripts/decode_attention_sweep.py --out "$W/decode_attention.json"
+}
+stage_tp() {  # tensor parallelism on TP_SIZE GPUs (default 2): exactness vs one rank, one batch
+    # TP=1 vs TP=N, where the step goes (the all-reduces: group "communication"), serving, 47B
+    local n=${TP_SIZE:-2} eng="enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true"
+    run tp-check 500 $PY scripts/tp_check.py --preset $PRESET --layers ${TP_LAYERS:-8} --tp $n \
+        --device cuda --out "$W/tp_check.json"
+    for t in 1 $n; do
+        run "tp-one-batch-$t" 300 $MS bench one-batch --preset $PRESET --device cuda \
+            --dtype bfloat16 --batch-size 1,8,64 --input-len 2048 --output-len 24 \
+            --engine "$eng,tensor_parallel_size=$t" --out "$W/tp_one_batch_$t.json"
+    done
+    run tp-profile-decode 200 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1 --input-len 2048 --steps 16 \
+        --engine enforce_eager=false,tensor_parallel_size=$n --out "$W/tp_profile_1x2048.json"
+    run tp-profile-prefill 200 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 8 --input-len 2048 --steps 2 \
+        --engine enforce_eager=false,chunked_prefill_size=16384,tensor_parallel_size=$n \
+        --out "$W/tp_profile_8x2048.json"
+    local dir=$W/preset
+    $PY -c "from mambaserve.bench.presets import preset_config, write_config; \
+write_config(preset_config('$PRESET'), '$dir')"
+    start_server "$dir" 8160 --tensor-parallel-size $n
+    run tp-serve-closed 200 $MS bench serve --base-url http://127.0.0.1:8160 --dataset random \
+        --input-len 1024 --output-len 256 --num-prompts 128 --max-concurrency 64 --disable-tqdm \
+        --out "$W/tp_serve_closed.json" --plot "$W/tp_serve_closed.png"
+    stop_server 8160 "tp$n"
+    for t in 1 $n; do  # the larger preset: 94 GB of bf16 weights
+        run "tp-47b-$t" 400 $MS bench one-batch --preset nemotron-h-47b --device cuda \
+            --dtype bfloat16 --batch-size 1,8 --input-len 2048 --output-len 16 \
+            --engine "$eng,tensor_parallel_size=$t" --out "$W/tp_47b_$t.json"
+    done
 }
 stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch FP8 vs bf16, drift
     run fp8-tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_fp8_matmul.py \

@@ -5,8 +5,8 @@ prefill (every step until each prompt has its first token), then `--steps` decod
 (with `--mixed-len M`) the mixed steps of one new M-token prompt prefilled while the batch keeps
 decoding (the serving case: its chunks capped by `max_step_prefill_tokens`). The
 device time of every kernel is summed by name and grouped (matmul, SSD scan, conv, attention,
-norm, state update, copies, elementwise, other); the report gives each group's share of the
-step, how busy the device was during the step (busy / wall: the rest is host time the device
+norm, state update, copies, elementwise, communication: the tensor-parallel collectives, other);
+the report gives each group's share of the step, how busy the device was during the step (busy / wall: the rest is host time the device
 waited for), the matmuls' achieved TFLOP/s against the matmul ceiling (prefill) and their
 achieved bandwidth against the copy ceiling (decode). This is the evidence docs/benchmarks.md
 cites for what bounds a missed target.
@@ -43,6 +43,8 @@ from mambaserve.bench.roofline import sync
 
 # (group, substrings of a kernel / operator name), first match wins; names are lower-cased.
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # tensor parallelism's collectives (NCCL kernels, c10d operators): the all-reduce share
+    ("communication", ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "c10d")),
     ("ssd", ("_chunk_", "state_passing", "ssd")),
     ("conv", ("conv",)),
     ("state_update", ("_ssu_", "selective_state")),

@@ -63,6 +63,17 @@ def test_nano_preset_shapes():
         preset_config("nope")
 
 
+def test_nemotron_h_47b_preset_shapes():
+    cfg = preset_config("nemotron-h-47b")
+    m = ModelConfig.from_dict(cfg)
+    assert m.num_layers == 98 and len(m.pattern) == 98
+    assert (len(m.mamba_layer_ids), len(m.attention_layer_ids), m.pattern.count("-")) == (45, 5, 48)
+    assert list(m.attention_layer_ids) == [17, 38, 49, 60, 86]
+    assert "M---MM---M" in m.pattern
+    assert (m.mamba_num_heads * m.mamba_head_dim, m.ssm_state_size) == (2 * 8192, 256)
+    assert 46.5e9 < param_count(cfg) < 48.5e9
+
+
 def test_checkpoint_names():
     assert checkpoint_name("layers.0.mixer.conv_weight") == "backbone.layers.0.mixer.conv1d.weight"
     assert checkpoint_name("layers.3.mixer.norm_weight") == "backbone.layers.3.mixer.norm.weight"

@@ -20,6 +20,8 @@ from mambaserve.cli import main
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"), ("aten::mm", "matmul"),
     ("Memcpy DtoD (Device -> Device)", "copy"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::silu>", "elementwise"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("c10d::allreduce_", "communication"),
     ("some_unknown_kernel", "other"),
 ])
 def test_group_of_real_kernel_names(name, group):
