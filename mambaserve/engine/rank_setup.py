@@ -150,6 +150,9 @@ def build_rank(path: str | Path, config: EngineConfig, model_config: ModelConfig
     model = load_model(Path(path), dtype, device, model_config, config.load_format, config.seed,
                        config.quantization, config.quantization_exclude)
     shard_model(model, tp)
+    for m in model.modules():  # q, k, v as one GEMM per attention layer (after sharding)
+        if isinstance(m, Attention):
+            m.pack_qkv()
     local = local_config(model_config, model)
     wb, eb = weight_bytes(model)
     logger.info("weights%s: %.2f GiB (%s)", f" of rank {tp.tp_rank}" if tp.tp_size > 1 else "",

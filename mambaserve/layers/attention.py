@@ -38,6 +38,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+        self.qkv_proj: nn.Linear | None = None  # set by pack_qkv: q, k, v as one projection
 
     def rope_tables(self, meta: ForwardMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cos / sin tables of this forward's positions (None without RoPE): every attention
@@ -73,17 +74,44 @@ class Attention(nn.Module):
         scale_linear_(self.o_proj, out_scale)
         self.key_multiplier = 1.0
 
+    @torch.no_grad()
+    def pack_qkv(self) -> None:
+        """Once the weights are final (loaded, folded, sharded; the engine calls it last): q, k
+        and v become one projection whose rows are q's, k's, then v's, so a forward runs one
+        GEMM (one weight read, one launch) instead of three. Left as three when any of them is
+        not a plain `nn.Linear` (FP8). The three modules are dropped."""
+        if self.qkv_proj is not None:
+            return
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if any(type(p) is not nn.Linear for p in projs):
+            return
+        w = torch.cat([p.weight for p in projs])
+        b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+        qkv = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+        qkv.weight = nn.Parameter(w, requires_grad=projs[0].weight.requires_grad)
+        if b is not None:
+            qkv.bias = nn.Parameter(b, requires_grad=projs[0].bias.requires_grad)
+        self.qkv_proj = qkv
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T, D = x.shape[0], self.head_dim
+        if self.qkv_proj is not None:  # views of one GEMM's output (the kernels take strides)
+            q, k, v = self.qkv_proj(x).split(
+                [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D),
+                v.view(T, self.num_kv_heads, D))
+
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim];
         rope: `rope_tables(meta)` of the forward (computed here when None)."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x)
-        if self.key_multiplier != 1.0:
+        q, k, v = self._qkv(x)
+        if self.key_multiplier != 1.0:  # unfolded (tests); fold_scales moves it into k's rows
             k = k * self.key_multiplier
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.rope_theta is not None:
             q, k = apply_rotary(q, k, meta.positions, self.rope_theta, self.rotary_dim,
                                 cos_sin=rope)
