@@ -31,25 +31,6 @@ PRESETS: dict[str, dict] = {
         "rescale_prenorm_residual": True, "mamba_hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 12, "pad_token_id": 0, "torch_dtype": "bfloat16",
     },
-    # Nemotron-H-47B-Base-8K shapes (nvidia/Nemotron-H-47B-Base-8K's config.json as transcribed,
-    # pattern verbatim, in a public model-catalog source file): 98 layers (45 Mamba2, 48 MLP, 5
-    # attention), hidden 8192, MLP 30720, 64 / 8 heads of 128, 256 Mamba heads of 64, state 256,
-    # 8 groups; the fields not transcribed there as the 9B's. ~47 B parameters: 94 GB of bf16
-    # weights, the preset that does not fit one H200 comfortably (tensor parallelism).
-    "nemotron-h-47b": {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "hybrid_override_pattern": NEMOTRON_H_47B_PATTERN, "num_hidden_layers": 98,
-        "hidden_size": 8192, "intermediate_size": 30720, "mlp_hidden_act": "relu2",
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "mamba_num_heads": 256, "mamba_head_dim": 64, "ssm_state_size": 256, "n_groups": 8,
-        "conv_kernel": 4, "chunk_size": 128, "vocab_size": 131072,
-        "max_position_embeddings": 8192, "layer_norm_epsilon": 1e-5,
-        "use_conv_bias": True, "use_bias": False, "mlp_bias": False, "attention_bias": False,
-        "tie_word_embeddings": False, "time_step_min": 0.001, "time_step_max": 0.1,
-        "time_step_limit": [0.0, {"__float__": "Infinity"}], "residual_in_fp32": False,
-        "rescale_prenorm_residual": True, "mamba_hidden_act": "silu",
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16",
-    },
     # a few-MB model of the same family for CPU smoke tests
     "tiny": {
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
@@ -180,6 +161,21 @@ _REVERSE_RENAMES = {"mixer.conv_weight": "mixer.conv1d.weight",
                     "mixer.norm_weight": "mixer.norm.weight",
                     "mixer.experts_up": "mixer.experts.up_proj",
                     "mixer.experts_down": "mixer.experts.down_proj"}
+
+
+# Nemotron-H-47B-Base-8K shapes (nvidia/Nemotron-H-47B-Base-8K's config.json as transcribed,
+# pattern verbatim, in a public model-catalog source file): 98 layers (45 Mamba2, 48 MLP, 5
+# attention), hidden 8192, MLP 30720, 64 / 8 heads of 128, 256 Mamba heads of 64, state 256, 8
+# groups; the fields not transcribed there as the 9B's. ~47 B parameters: 94 GB of bf16 weights,
+# the preset that does not fit one H200 comfortably (tensor parallelism).
+PRESETS["nemotron-h-47b"] = {
+    **PRESETS["nemotron-nano-9b-v2"],
+    "hybrid_override_pattern": NEMOTRON_H_47B_PATTERN, "num_hidden_layers": 98,
+    "hidden_size": 8192, "intermediate_size": 30720,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+    "mamba_num_heads": 256, "mamba_head_dim": 64, "ssm_state_size": 256, "n_groups": 8,
+    "max_position_embeddings": 8192, "eos_token_id": 2,
+}
 
 
 def preset_config(name: str) -> dict:
