@@ -4,7 +4,7 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency attention-decode tp (nvidia-h200-x2: TP_SIZE ranks)
+#         latency latency-profile attention-decode tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -297,6 +297,18 @@ stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a strea
             --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
             --out "$W/latency_$p.json"
     done
+}
+stage_latency-profile() {  # where a 512-token prompt's prefill step goes, twice (its TTFT has
+    # two modes, 22-25 and 43-44 ms), and every Triton compile of the latency sweep
+    for i in 1 2; do
+        run "profile-1x512-$i" 150 $MS bench profile --preset $PRESET --device cuda \
+            --dtype bfloat16 --batch-size 1 --input-len 512 --steps 4 \
+            --engine enforce_eager=false,async_scheduling=true --out "$W/profile_1x512_$i.json"
+    done
+    run trace-latency 200 $PY scripts/trace_compiles.py bench one-batch --preset $PRESET \
+        --device cuda --dtype bfloat16 --batch-size 1 --input-len 32,128,512,2048 \
+        --output-len 24 --engine enforce_eager=false,async_scheduling=true \
+        --out "$W/trace_latency.json"
 }
 stage_attention-decode() {  # the per-token paged attention's tuning at the presets' shapes
     run attention-decode 200 $PY scripts/decode_attention_sweep.py --out "$W/decode_attention.json"
