@@ -80,7 +80,7 @@ class Attention(nn.Module):
         and v become one projection whose rows are q's, k's, then v's, so a forward runs one
         GEMM (one weight read, one launch) instead of three. Left as three when any of them is
         not a plain `nn.Linear` (FP8). The three modules are dropped."""
-        if self.qkv_proj is not None:
+        if self.qkv_proj is not None or "q_proj" not in self._modules:  # packed already
             return
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if any(type(p) is not nn.Linear for p in projs):
@@ -94,10 +94,11 @@ class Attention(nn.Module):
         self.qkv_proj = qkv
         del self.q_proj, self.k_proj, self.v_proj
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor, qkv: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T, D = x.shape[0], self.head_dim
-        if self.qkv_proj is not None:  # views of one GEMM's output (the kernels take strides)
-            q, k, v = self.qkv_proj(x).split(
+        if qkv is not None or self.qkv_proj is not None:  # views of one GEMM's output
+            q, k, v = (qkv if qkv is not None else self.qkv_proj(x)).split(
                 [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -105,11 +106,13 @@ class Attention(nn.Module):
                 v.view(T, self.num_kv_heads, D))
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                qkv: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim];
-        rope: `rope_tables(meta)` of the forward (computed here when None)."""
+        rope: `rope_tables(meta)` of the forward (computed here when None); qkv: the packed
+        q / k / v projection of x when the layer computed it together with Mamba's in_proj."""
         T = x.shape[0]
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x, qkv)
         if self.key_multiplier != 1.0:  # unfolded (tests); fold_scales moves it into k's rows
             k = k * self.key_multiplier
         if self.rope_theta is not None:

@@ -142,12 +142,15 @@ class Mamba2Mixer(nn.Module):
         self.proj_multipliers = []
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
-                ssm_state: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; conv_state: [slots + 1, K-1, conv_dim]; ssm_state: [slots + 1, H, P, N]."""
+                ssm_state: torch.Tensor, zxbcdt: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden]; conv_state: [slots + 1, K-1, conv_dim]; ssm_state: [slots + 1, H, P, N].
+        `zxbcdt`: in_proj(x) when the layer computed it in a packed projection (in_proj is then
+        None: `DecoderLayer.pack_mixer_inputs`)."""
         T = x.shape[0]
         Tp = meta.num_prefill_tokens
         G, N, H, P = self.n_groups, self.state_size, self.num_heads, self.head_dim
-        zxbcdt = self.in_proj(x)
+        if zxbcdt is None:
+            zxbcdt = self.in_proj(x)
         for start, end, m in self.proj_multipliers:  # in place on in_proj's fresh output
             zxbcdt[:, start:end].mul_(m)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)

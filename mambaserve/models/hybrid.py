@@ -73,6 +73,28 @@ class DecoderLayer(nn.Module):
         if spec.ffn is not FFNKind.NONE:
             self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.feed_forward = make_ffn(cfg, spec.ffn)
+        self.mixer_in: nn.Linear | None = None  # set by pack_mixer_inputs
+
+    @torch.no_grad()
+    def pack_mixer_inputs(self) -> None:
+        """A layer with both mixers (Falcon-H1) projects the same normed input twice: Mamba's
+        in_proj and attention's packed q / k / v become one projection (in_proj's rows first), one
+        GEMM per layer. Only once both are plain `nn.Linear`s with matching biases (after
+        `Attention.pack_qkv`; not FP8) and the mixers' own input scales are folded away."""
+        if self.mixer_in is not None or not (self.spec.mamba and self.spec.attention):
+            return
+        m, a = self.mamba.in_proj, self.self_attn.qkv_proj
+        if type(m) is not nn.Linear or type(a) is not nn.Linear or self.mamba.proj_multipliers \
+                or self.self_attn.key_multiplier != 1.0 or (m.bias is None) != (a.bias is None):
+            return
+        w = torch.cat([m.weight, a.weight])
+        both = nn.Linear(w.shape[1], w.shape[0], bias=m.bias is not None, device="meta")
+        both.weight = nn.Parameter(w, requires_grad=m.weight.requires_grad)
+        if m.bias is not None:
+            both.bias = nn.Parameter(torch.cat([m.bias, a.bias]), requires_grad=m.bias.requires_grad)
+        self.mixer_in = both
+        self.mixer_in_split = [m.out_features, a.out_features]
+        self.mamba.in_proj = self.self_attn.qkv_proj = None  # their rows live in mixer_in
 
 
 class HybridForCausalLM(nn.Module):
@@ -86,6 +108,14 @@ class HybridForCausalLM(nn.Module):
         self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
         self.multipliers = Multipliers.of(cfg)
+
+    def pack_mixer_inputs(self) -> None:
+        """Every layer with both mixers: one input projection (`DecoderLayer.pack_mixer_inputs`);
+        called by the engine once the weights are final, after `Attention.pack_qkv`. Not while
+        a multiplier of the mixers' inputs is still applied in the forward."""
+        if self.multipliers.ssm_in == 1.0 and self.multipliers.attention_in == 1.0:
+            for layer in self.layers:
+                layer.pack_mixer_inputs()
 
     def tie_lm_head(self) -> None:
         """Share the embedding matrix as the output projection (checkpoints without lm_head)."""
@@ -146,15 +176,18 @@ class HybridForCausalLM(nn.Module):
             if spec.has_mixer:
                 x, h = self._norm(layer.input_layernorm, h, pending)
                 out = None
+                zxbcdt = qkv = None
+                if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
+                    zxbcdt, qkv = layer.mixer_in(x).split(layer.mixer_in_split, dim=-1)
                 if spec.mamba:
                     n = self.mamba_index[i]
                     xm = x * mult.ssm_in if mult.ssm_in != 1.0 else x
-                    out = layer.mamba(xm, meta, conv_state[n], ssm_state[n])
+                    out = layer.mamba(xm, meta, conv_state[n], ssm_state[n], zxbcdt)
                     if mult.ssm_out != 1.0:
                         out = out * mult.ssm_out
                 if spec.attention:
                     xa = x * mult.attention_in if mult.attention_in != 1.0 else x
-                    a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]], rope)
+                    a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]], rope, qkv)
                     if mult.attention_out != 1.0:
                         a = a * mult.attention_out
                     out = a if out is None else out + a

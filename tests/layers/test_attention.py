@@ -51,3 +51,22 @@ def test_engine_packs_every_attention_layer(tiny_ckpt):
     eng = LLMEngine(tiny_ckpt, EngineConfig(device="cpu", dtype="float32"))
     layers = [m for m in eng.model.modules() if isinstance(m, Attention)]
     assert layers and all(m.qkv_proj is not None for m in layers)
+
+
+def test_falcon_h1_layers_project_both_mixers_inputs_in_one_gemm(tmp_path):
+    """An engine-built Falcon-H1 (attention and Mamba in every layer) packs each layer's in_proj
+    and q / k / v into one projection; its prompt logprobs equal transformers' (the parity
+    tests cover every family and seed; this one checks the packing is in effect there)."""
+    from family_checkpoints import hf_prompt_logprobs, make_tiny_falcon_h1
+
+    from mambaserve import LLM, SamplingParams
+
+    path = make_tiny_falcon_h1(tmp_path / "fh1", seed=3)
+    llm = LLM(path, dtype="float32", device="cpu")
+    layers = llm.engine.model.layers
+    assert all(layer.mixer_in is not None and layer.mamba.in_proj is None for layer in layers)
+    ids = torch.randint(3, 100, (23,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    got = torch.tensor([d[t] for d, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])
+    torch.testing.assert_close(got, hf_prompt_logprobs(path, ids), rtol=0, atol=1e-4)
