@@ -6,10 +6,10 @@ prefill (every step until each prompt has its first token), then `--steps` decod
 decoding (the serving case: its chunks capped by `max_step_prefill_tokens`). The
 device time of every kernel is summed by name and grouped (matmul, SSD scan, conv, attention,
 norm, state update, copies, elementwise, communication: the tensor-parallel collectives, other);
-the report gives each group's share of the step, how busy the device was during the step (busy / wall: the rest is host time the device
-waited for), the matmuls' achieved TFLOP/s against the matmul ceiling (prefill) and their
-achieved bandwidth against the copy ceiling (decode). This is the evidence docs/benchmarks.md
-cites for what bounds a missed target.
+the report gives each group's share of the step, how busy the device was during the step (busy /
+wall: the rest is host time the device waited for), the matmuls' achieved TFLOP/s against the
+matmul ceiling (prefill) and their achieved bandwidth against the copy ceiling (decode). This is
+the evidence docs/benchmarks.md cites for what bounds a missed target.
 
     mambaserve bench profile --preset nemotron-nano-9b-v2 --device cuda --batch-size 8 \\
         --input-len 2048 --steps 8 --engine enforce_eager=false --out prof.json

@@ -18,6 +18,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_range,
 )
 from mambaserve.layers.scaling import scale_linear_
+from mambaserve.layers.stacked_linear import stacked_linear
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.paged_attention import paged_attention, write_kv
 from mambaserve.ops.rotary import apply_rotary, rotary_cos_sin
@@ -74,25 +75,16 @@ class Attention(nn.Module):
         scale_linear_(self.o_proj, out_scale)
         self.key_multiplier = 1.0
 
-    @torch.no_grad()
     def pack_qkv(self) -> None:
         """Once the weights are final (loaded, folded, sharded; the engine calls it last): q, k
-        and v become one projection whose rows are q's, k's, then v's, so a forward runs one
-        GEMM (one weight read, one launch) instead of three. Left as three when any of them is
-        not a plain `nn.Linear` (FP8). The three modules are dropped."""
+        and v become one projection whose rows are q's, k's, then v's (`stacked_linear`), one
+        GEMM instead of three. Left as three when any of them is FP8. The three are dropped."""
         if self.qkv_proj is not None or "q_proj" not in self._modules:  # packed already
             return
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if any(type(p) is not nn.Linear for p in projs):
-            return
-        w = torch.cat([p.weight for p in projs])
-        b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
-        qkv = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
-        qkv.weight = nn.Parameter(w, requires_grad=projs[0].weight.requires_grad)
-        if b is not None:
-            qkv.bias = nn.Parameter(b, requires_grad=projs[0].bias.requires_grad)
-        self.qkv_proj = qkv
-        del self.q_proj, self.k_proj, self.v_proj
+        qkv = stacked_linear([self.q_proj, self.k_proj, self.v_proj])
+        if qkv is not None:
+            self.qkv_proj = qkv
+            del self.q_proj, self.k_proj, self.v_proj
 
     def _qkv(self, x: torch.Tensor, qkv: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

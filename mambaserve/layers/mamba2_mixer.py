@@ -76,10 +76,10 @@ class Mamba2Mixer(nn.Module):
 
     def decay_rates(self) -> torch.Tensor:
         """A = -exp(A_log) in float32, computed once and kept while A_log is the same tensor
-        with the same version counter, device and dtype (loading, sharding, moving or a test's
-        in-place copy recompute it), instead of two launches per layer per forward."""
+        with the same version counter and storage (loading, sharding, moving, casting or a
+        test's in-place copy recompute it), instead of three launches per layer per forward."""
         a = self.A_log
-        state = (a._version, a.device, a.dtype, a.data_ptr())
+        state = (a._version, a.data_ptr())
         if self._A is None or self._A[0] is not a or self._A[1] != state:
             # a plain tensor (not an inference tensor), usable by forwards in and out of
             # inference mode; no autograd history (A_log is not trained here)

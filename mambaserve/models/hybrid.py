@@ -27,6 +27,7 @@ from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.moe import MoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.scaling import scale_, scale_linear_
+from mambaserve.layers.stacked_linear import stacked_linear
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.model_layout import FFNKind, LayerSpec
 from mambaserve.ops.state_snapshot import restore_snapshots
@@ -75,26 +76,20 @@ class DecoderLayer(nn.Module):
             self.feed_forward = make_ffn(cfg, spec.ffn)
         self.mixer_in: nn.Linear | None = None  # set by pack_mixer_inputs
 
-    @torch.no_grad()
     def pack_mixer_inputs(self) -> None:
         """A layer with both mixers (Falcon-H1) projects the same normed input twice: Mamba's
-        in_proj and attention's packed q / k / v become one projection (in_proj's rows first), one
-        GEMM per layer. Only once both are plain `nn.Linear`s with matching biases (after
-        `Attention.pack_qkv`; not FP8) and the mixers' own input scales are folded away."""
+        in_proj and attention's packed q / k / v become one projection (`stacked_linear`,
+        in_proj's rows first), one GEMM per layer. Only after `Attention.pack_qkv`, with both
+        in the model dtype (not FP8) and the mixers' own input scales folded away."""
         if self.mixer_in is not None or not (self.spec.mamba and self.spec.attention):
             return
         m, a = self.mamba.in_proj, self.self_attn.qkv_proj
-        if type(m) is not nn.Linear or type(a) is not nn.Linear or self.mamba.proj_multipliers \
-                or self.self_attn.key_multiplier != 1.0 or (m.bias is None) != (a.bias is None):
+        if a is None or self.mamba.proj_multipliers or self.self_attn.key_multiplier != 1.0:
             return
-        w = torch.cat([m.weight, a.weight])
-        both = nn.Linear(w.shape[1], w.shape[0], bias=m.bias is not None, device="meta")
-        both.weight = nn.Parameter(w, requires_grad=m.weight.requires_grad)
-        if m.bias is not None:
-            both.bias = nn.Parameter(torch.cat([m.bias, a.bias]), requires_grad=m.bias.requires_grad)
-        self.mixer_in = both
-        self.mixer_in_split = [m.out_features, a.out_features]
-        self.mamba.in_proj = self.self_attn.qkv_proj = None  # their rows live in mixer_in
+        both = stacked_linear([m, a])
+        if both is not None:
+            self.mixer_in, self.mixer_in_split = both, [m.out_features, a.out_features]
+            self.mamba.in_proj = self.self_attn.qkv_proj = None  # their rows live in mixer_in
 
 
 class HybridForCausalLM(nn.Module):
@@ -169,8 +164,9 @@ class HybridForCausalLM(nn.Module):
         if cfg.residual_in_fp32:
             h = h.float()
         pending = None  # the last sub-block's output, not yet added to h
-        attn = next((layer.self_attn for layer in self.layers if layer.spec.attention), None)
-        rope = attn.rope_tables(meta) if attn is not None else None  # shared by every layer
+        first_attn = next(iter(self.attention_index), None)  # its RoPE tables serve every layer
+        rope = self.layers[first_attn].self_attn.rope_tables(meta) if first_attn is not None \
+            else None
         for i, layer in enumerate(self.layers):
             spec = layer.spec
             if spec.has_mixer:
