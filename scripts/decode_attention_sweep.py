@@ -1,6 +1,7 @@
 """Decode attention (the per-token paged kernel) at the families' attention shapes: device time of
 one call for each (block_n, min_split_keys) pair of its tuning entry, T decode tokens of C keys
-each, checked against the torch reference. Prints a table and the best pair per shape.
+each, checked against the torch reference; timed through a CUDA graph (the split and combine
+launches as a decode step pays them). Prints a table and the best pair per shape.
 
     python scripts/decode_attention_sweep.py --out decode_attention.json   # on a GPU
 """
@@ -11,8 +12,8 @@ import argparse
 import json
 
 import torch
-import triton.testing
 
+from mambaserve.bench.graph_timing import graph_time_us
 from mambaserve.ops.paged_attention import paged_attention_ref
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.paged_attention import paged_attention_triton
@@ -41,7 +42,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64")
     ap.add_argument("--context", default="512,2048,8192")
     ap.add_argument("--block-n", default="16,32,64")
-    ap.add_argument("--min-split", default="32,64,128,256")
+    ap.add_argument("--min-split", default="16,32,64,128,256")
     ap.add_argument("--device", default="cuda", help="cpu: under TRITON_INTERPRET=1 (a check)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
                         with tuning.override("paged_attention", block_n=bn, min_split_keys=ms):
                             fn = lambda: paged_attention_triton(q, kv, table, r, pos, C, scale)  # noqa: E731,B023
                             err = (fn().float() - ref).abs().max().item()
-                            us = (triton.testing.do_bench(fn, warmup=20, rep=100) * 1e3
+                            us = (graph_time_us(fn)
                                   if a.device != "cpu" else float("nan"))  # CPU: a check only
                         rows.append(dict(shape=name, T=T, context=C, block_n=bn,
                                          min_split_keys=ms, us=us, max_err=err))

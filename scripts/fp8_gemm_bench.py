@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from mambaserve.bench.graph_timing import graph_time_us
 from mambaserve.bench.roofline import copy_ceiling
 from mambaserve.ops.fp8_matmul import _fp8_linear_scaled_mm, quantize_fp8, quantize_weight_fp8
 from mambaserve.ops.triton import tuning
@@ -26,31 +27,6 @@ GEMV_MAX_M = 64  # the few-rows kernel is timed up to this M (tuning max_m raise
 # (name, K, N) of the 9B preset's FP8 projections
 SHAPES = [("mamba in_proj", 4480, 22656), ("mamba out_proj", 10240, 4480),
           ("mlp up_proj", 4480, 15680), ("mlp down_proj", 15680, 4480)]
-
-
-def graph_time_us(fn, iters: int = 50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(iters):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (iters * 10))
-    return best
 
 
 def main(argv=None) -> int:

@@ -52,14 +52,15 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                                           ((0, 8), 16), ((2, 3, 2 * 20), 32)])
 def test_silu_mul_kernel_matches_the_torch_expression(dtype, shape, block):
     """silu(gate) * up with both of torch's roundings; the kernel's exp may move an element by
-    one ulp of the dtype (float32 on the interpreter: numpy's exp, the same to 2 ulps)."""
+    one ulp of the dtype. In float32 the exp itself differs: numpy's under the interpreter (2
+    ulps), the GPU's fast ex2 approximation (2.6 ulps seen on an H200), hence 4."""
     x = (3 * torch.randn(shape, generator=torch.Generator().manual_seed(1))).to(DEV, dtype)
     with tuning.override("silu_mul", block=block, num_warps=2):
         y = silu_mul_triton(x)
     want = silu_mul_ref(x)
     assert y.shape == want.shape == (*shape[:-1], shape[-1] // 2) and y.dtype == dtype
     if y.numel():
-        assert _ulps_apart(y, want).max().item() <= 2.0
+        assert _ulps_apart(y, want).max().item() <= (4.0 if dtype == torch.float32 else 2.0)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")

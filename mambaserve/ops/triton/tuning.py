@@ -79,6 +79,10 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "moe_experts": MappingProxyType({"block_m": None, "block_n_in": 64, "block_k_in": 64,
                                      "block_n_out": 64, "block_k_out": 64, "num_warps": 4,
                                      "num_stages": 3}),
+    # linear of few rows (ops/triton/gemv.py): the dispatch routes at most max_m token rows of
+    # bf16 / fp16 decode projections to it; None = the launcher's rules (`launch_plan`)
+    "gemv": MappingProxyType({"max_m": 8, "use_dot": None, "block_n": None, "block_k": None,
+                              "split_k": None, "num_warps": 4, "num_stages": 4}),
     # FP8 linear of few rows (ops/triton/fp8_gemv.py; NOT measured yet): the dispatch routes at
     # most max_m token rows to it (when switched on: MAMBASERVE_FP8_GEMV=1); tensor cores from
     # dot_min_m rows, CUDA-core FMAs below; None = the launcher's rules (`launch_plan`)

@@ -1,0 +1,191 @@
+"""Triton linear for few token rows (decode): y = x W^T (+ bias) for M <= the tuning entry's
+`max_m` rows, bandwidth-bound on the weight, which is read from HBM exactly once.
+
+Layout of the work: the grid is (blocks of BLOCK_N output columns) x (split_k parts of K). Each
+program streams its weight tile [BLOCK_N, K part] in steps of BLOCK_K columns and the few x rows
+(a few KiB, from L2). Two inner products (`use_dot`):
+- CUDA-core FMAs: a [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator takes one product per weight
+  element and row in every step; it is summed over BLOCK_K once, after the loop (no reduction
+  across threads inside the loop);
+- tensor cores: `tl.dot` with the weight tile as the left operand ("swap AB": [BLOCK_N, BLOCK_K]
+  x [BLOCK_K, BLOCK_M >= 16]), whose operand loads Triton's pipeliner stages `num_stages` deep.
+Both accumulate in float32 and round once to the output dtype.
+
+Split-K without a second launch: with split_k > 1 every program stores its float32 partial sums
+to a scratch buffer, then increments its column block's arrival counter (acq_rel, GPU scope); the
+program that arrives last adds the split_k partials in the fixed order 0, 1, ... (so the result
+does not depend on the arrival order: deterministic), adds the bias, rounds, stores, and sets the
+counter back to 0. The counters (one int32 per column block) live in a per-device buffer that is
+zeroed once and left zeroed by every launch; launches that use it must not run concurrently
+(the engine's forward runs on one stream).
+
+Launch parameters: `tuning` entry "gemv" (`launch_plan` resolves its None knobs). No host sync,
+no value-dependent branch on the host: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from mambaserve.ops.triton import tuning
+
+MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any split launch)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                 stride_ym, k_per_split, split_k, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w_tile = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:  # every step full: masks on the rows / columns only (vector loads along K)
+            w = tl.load(w_tile + k0, mask=col_ok[:, None], other=0.0)
+            xv = tl.load(x_tile + k0, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + ks) < k_hi
+            w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            xv = tl.load(x_tile + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            if IEEE:
+                acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(xv), acc)
+        else:
+            acc3 += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
+    if USE_DOT:
+        y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        y = tl.sum(acc3, axis=2)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    out_offs = rows[:, None] * stride_ym + cols[None, :]
+    if not SPLIT:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_offs = rows[:, None] * N + cols[None, :]
+        tl.store(part_ptr + pid_k * M * N + part_offs, y, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial stored before the arrival is counted
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # the last of the column block's parts: reduce in order
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(split_k):
+                total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: no occupancy to fill
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(idx).multi_processor_count
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters, zeroed once (every split launch leaves them at 0)."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = _COUNTERS[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32,
+                                              device=device)
+    return buf
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def launch_plan(M: int, N: int, K: int, device) -> dict:
+    """The launch of an [M, K] x [N, K]^T product on `device`: the tuning entry "gemv" with its
+    None knobs resolved. Rules (None):
+      use_dot: M > 2 (FMAs for one or two rows);
+      block_n: 16 with tensor cores (the smallest MMA tile), else 8;
+      block_k: 256 with tensor cores, else 2048 // (block_n * BLOCK_M), at least 32; at most
+               pow2(K) either way;
+      split_k: doubled from 1 while the programs are fewer than 2 per SM, each part keeps at
+               least 4 K steps, and split_k < 16."""
+    cfg = tuning.config("gemv", device)
+    use_dot = cfg["use_dot"]
+    if use_dot is None:
+        use_dot = M > 2
+    block_m = max(16, _pow2(M)) if use_dot else _pow2(M)
+    block_n = cfg["block_n"] or (16 if use_dot else 8)
+    block_k = cfg["block_k"]
+    if block_k is None:
+        block_k = 256 if use_dot else max(32, 2048 // (block_n * block_m))
+    block_k = min(block_k, max(16, _pow2(K)))
+    split_k = cfg["split_k"]
+    blocks = triton.cdiv(N, block_n)
+    if split_k is None:
+        split_k, sms = 1, _num_sms(torch.device(device))
+        while (blocks * split_k < 2 * sms and split_k < 16
+               and triton.cdiv(K, block_k) >= 8 * split_k):
+            split_k *= 2
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)  # no empty part
+    return {"use_dot": bool(use_dot), "block_m": block_m, "block_n": block_n,
+            "block_k": block_k, "split_k": split_k, "k_per_split": k_per_split,
+            "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+            "max_m": cfg["max_m"]}
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """`torch.nn.functional.linear`'s contract for x [M, K] (rows may be strided, last dim
+    contiguous) with M <= the tuning entry's `max_m`, weight [N, K] (last dim contiguous) of
+    x's dtype, bias [N] or None -> [M, N] in x.dtype, accumulated in float32."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "gemv_triton takes [M, K] rows"
+    assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == x.shape[1]
+    assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
+    M, K = x.shape
+    N = weight.shape[0]
+    plan = launch_plan(M, N, K, x.device)
+    assert M <= plan["max_m"], f"gemv_triton takes at most max_m={plan['max_m']} rows, got {M}"
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    split = plan["split_k"]
+    blocks = triton.cdiv(N, plan["block_n"])
+    if split > 1:
+        assert blocks <= MAX_COLUMN_BLOCKS, f"{blocks} column blocks > {MAX_COLUMN_BLOCKS}"
+        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        part = counters = y
+    _gemv_kernel[(blocks, split)](
+        x, weight, bias if bias is not None else y, y, part, counters, M, N, K, x.stride(0),
+        weight.stride(0), y.stride(0), plan["k_per_split"], split, HAS_BIAS=bias is not None,
+        SPLIT=split > 1, EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
+        IEEE=x.dtype == torch.float32, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
+        BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"])
+    return y
