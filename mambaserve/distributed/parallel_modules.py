@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.distributed.group import TPGroup
+from mambaserve.ops.linear import linear
 
 
 def shard_range(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
@@ -65,7 +66,7 @@ class RowParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else param_of(linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if not self.reduce:
             return out + self.bias if self.bias is not None and self.tp.tp_rank == 0 else out
         out = self.tp.all_reduce(out)
@@ -118,7 +119,7 @@ class VocabParallelLMHead(nn.Module):
         self.weight = weight if isinstance(weight, nn.Parameter) else param_of(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(x, self.weight), dim=-1)
+        logits = self.tp.all_gather(linear(x, self.weight), dim=-1)
         if logits.shape[-1] == self.vocab_size:
             return logits
         return logits[..., :self.vocab_size].contiguous()  # the padding ids' columns dropped

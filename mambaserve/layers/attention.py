@@ -17,6 +17,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_or_replicate_range,
     shard_range,
 )
+from mambaserve.layers.linear import Linear
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.layers.stacked_linear import stacked_linear
 from mambaserve.metadata import ForwardMetadata
@@ -35,10 +36,10 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.rotary_dim = cfg.rotary_dim or self.head_dim
         H, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+        self.q_proj = Linear(H, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, H, bias=bias)
         self.qkv_proj: nn.Linear | None = None  # set by pack_qkv: q, k, v as one projection
 
     def rope_tables(self, meta: ForwardMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -21,6 +21,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_or_replicate_range,
     shard_range,
 )
+from mambaserve.layers.linear import Linear
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -48,7 +49,7 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = cfg.conv_dim
         self.norm_eps = cfg.norm_eps
         self.prefill_dt_limit, self.decode_dt_limit = cfg.prefill_dt_limit, cfg.decode_dt_limit
-        self.in_proj = nn.Linear(cfg.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
+        self.in_proj = Linear(cfg.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
                                  bias=cfg.mamba_in_proj_bias)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.conv_kernel))
         self.conv_bias = nn.Parameter(torch.empty(self.conv_dim)) if cfg.use_conv_bias else None
@@ -63,7 +64,7 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight_fp32 = cfg.mamba_norm_weight_fp32
         # set by `shard` when this rank's channels are part of a norm group spanning ranks
         self.norm_span: NormSpan | None = None
-        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_out_proj_bias)
+        self.out_proj = Linear(self.d_inner, cfg.hidden_size, bias=cfg.mamba_out_proj_bias)
         # in_proj output multipliers per segment (z, x, B, C, dt), not in the checkpoint:
         # (start, end, multiplier) of the segments whose multiplier is not 1. Plain numbers, not
         # a buffer (the loader fills every buffer from the checkpoint), each rounded to the dtype

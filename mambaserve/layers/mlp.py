@@ -14,16 +14,18 @@ from mambaserve.distributed.parallel_modules import (
     param_of,
     shard_range,
 )
+from mambaserve.layers.linear import Linear
 from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.ops.activation import relu2, silu_mul  # one Triton pass each on CUDA
 from mambaserve.ops.fp8_matmul import FP8_DTYPE, fp8_linear, quantize_weight_fp8
+from mambaserve.ops.linear import linear
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def shard(self, tp: TPGroup, reduce: bool = True, what: str = "intermediate_size") -> None:
         """up_proj column-parallel, down_proj row-parallel (all-reduce; `reduce=False`: the
@@ -62,7 +64,7 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_weight = nn.Parameter(torch.empty(2, intermediate_size, hidden_size))
         self.gate_up_bias = nn.Parameter(torch.empty(2, intermediate_size)) if bias else None
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
         self.register_parameter("gate_up_weight_scale", None)  # FP8 only (to_fp8)
         self.register_parameter("gate_up_input_scale", None)
@@ -121,7 +123,7 @@ class GatedMLP(nn.Module):
             gate_up = fp8_linear(x, w, self.gate_up_weight_scale.view(2 * I),
                                  self.gate_up_input_scale, bias)
         else:
-            gate_up = F.linear(x, w, bias)
+            gate_up = linear(x, w, bias)
         if self.gate_multiplier != 1.0:  # unfolded (tests): the torch expression
             gate, up = gate_up.split(I, dim=-1)
             act = F.silu(gate * self.gate_multiplier) * up

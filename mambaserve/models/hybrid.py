@@ -22,6 +22,7 @@ from torch import nn
 
 from mambaserve.config import ModelConfig
 from mambaserve.layers.attention import Attention
+from mambaserve.layers.linear import Linear
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.moe import MoE
@@ -99,7 +100,7 @@ class HybridForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
         self.multipliers = Multipliers.of(cfg)

@@ -11,6 +11,7 @@ from torch import nn
 
 from mambaserve.config import LayerKind, ModelConfig
 from mambaserve.layers.attention import Attention
+from mambaserve.layers.linear import Linear
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP
 from mambaserve.layers.moe import MoE
@@ -43,7 +44,7 @@ class NemotronHForCausalLM(nn.Module):
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, k) for k in cfg.layer_kinds)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # index of each Mamba / attention layer inside the state / KV pools
         self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}

@@ -28,6 +28,7 @@ from pathlib import Path
 from torch import nn
 
 from mambaserve.layers.fp8_linear import quantize_linear_, swap_to_fp8
+from mambaserve.layers.linear import is_plain_linear
 from mambaserve.layers.mlp import GatedMLP
 
 logger = logging.getLogger("mambaserve")
@@ -168,7 +169,7 @@ def quantize_model_fp8(model: nn.Module, exclude: tuple[str, ...] = DEFAULT_FP8_
     for name, module in list(model.named_modules()):
         if any(fnmatch.fnmatchcase(name, p) for p in exclude):
             continue
-        if type(module) is nn.Linear:
+        if is_plain_linear(module):
             quantize_linear_(model, name)
             done.append(name)
         elif isinstance(module, GatedMLP) and module.gate_up_weight_scale is None:

@@ -63,6 +63,16 @@ def _fp8_gemv_ok(device: torch.device, x: torch.Tensor, weight: torch.Tensor) ->
     return fp8_capable(device) and rows <= tuning.config("fp8_gemv", device)["max_m"]
 
 
+def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # 16-bit activations and weights of one dtype, a plain [N, K] weight, at most max_m rows
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    if weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] != weight.shape[1]:
+        return False
+    rows = math.prod(x.shape[:-1])
+    return 1 <= rows <= tuning.config("gemv", x.device)["max_m"]
+
+
 @dataclass(frozen=True)
 class Condition:
     """What an op's kernel needs of its inputs beyond a CUDA device: `check` is called with the
@@ -98,6 +108,10 @@ CONDITIONS: dict[str, Condition | None] = {
     "write_kv": None,
     "moe_experts": None,
     "paged_attention": None,
+    # few token rows of a 16-bit model (decode projections): the bandwidth-bound kernel
+    "gemv": Condition(("x", "weight"), _gemv_ok,
+                      "float32 models, more rows than tuning gemv.max_m and weights that are "
+                      "not a plain [N, K] matrix of the activations' dtype"),
     # FP8: Triton's float8e4nv conversion and cuBLASLt's FP8 GEMM need compute capability 8.9
     "fp8_quant": Condition(("device",), lambda device: fp8_capable(device),
                            "devices of compute capability < 8.9"),

@@ -28,8 +28,8 @@ from mambaserve.server.fields import (  # noqa: F401 - APIError, dumps, parse_js
     get_str,
     parse_json,
 )
-from mambaserve.server.tool_choice import constraint
 from mambaserve.server.structured_request import FieldError, sampling_extras
+from mambaserve.server.tool_choice import constraint
 
 MAX_N = 16  # completions per prompt
 MAX_BATCH = 256  # prompts in one /v1/completions request

@@ -13,7 +13,8 @@ program reads its weight tile [BLOCK_N, K part] once (the bytes that matter: the
 from HBM exactly once) and the few x rows (a few KiB, from L2). With a dynamic scale every
 program recomputes the rows' amax over the whole K itself, so no quantization launch runs
 first. Two inner products, by M (`dot_min_m`): below it CUDA-core FMAs on the weight tile
-converted to float32 (one FMA per weight byte and row), from it tensor cores (`tl.dot` with the
+converted to float32 (one FMA per weight byte and row into a [BLOCK_M, BLOCK_N, BLOCK_K]
+accumulator, summed over BLOCK_K once after the loop), from it tensor cores (`tl.dot` with the
 weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M >= 16], float8
 operands, float32 accumulation promoted after every instruction, `max_num_imprecise_acc=0`).
 With split_k > 1 each part writes float32 partial sums (already scaled) and a second launch adds
@@ -104,11 +105,11 @@ def _weight(w, HW_FP8: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ws", "k_per_split"])
+@triton.jit(do_not_specialize=["M", "stride_ws"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
                      M, N, K, stride_xm, stride_wn, stride_ws, stride_om, stride_os, k_per_split,
                      STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                     USE_DOT: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
                      NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -135,22 +136,27 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
     ks = tl.arange(0, BLOCK_K)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # one product per weight element and row, summed over BLOCK_K after the loop
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + ks
-        k_ok = kk < k_hi
-        wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:  # every step full: masks on rows / columns only (vector loads along K)
+            wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None], other=0.0)
+            xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = kk < k_hi
+            wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         q = _quantize(xv.to(tl.float32), sx[:, None], HW_FP8)
         w = _weight(wb, HW_FP8)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(q), acc, max_num_imprecise_acc=0)
         else:
-            prod = w.to(tl.float32)[None, :, :] * q.to(tl.float32)[:, None, :]
-            acc += tl.sum(prod, axis=2)
+            acc3 += w.to(tl.float32)[None, :, :] * q.to(tl.float32)[:, None, :]
     if USE_DOT:
         acc = tl.trans(acc)
+    else:
+        acc = tl.sum(acc3, axis=2)
     w_scale = tl.load(ws_ptr + cols * stride_ws, mask=col_ok, other=0.0).to(tl.float32)
     y = acc * sx[:, None] * w_scale[None, :]
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -195,10 +201,10 @@ def _pow2(n: int) -> int:
 def launch_plan(M: int, N: int, K: int, device) -> dict:
     """The launch of an [M, K] x [N, K]^T product on `device`: the tuning entry "fp8_gemv" with
     its None knobs resolved. Rules (None):
-      block_n: 64 with tensor cores; with FMAs the largest of 32, 16, 8 whose column blocks
-               number >= 4 per SM (else 4);
-      block_k: 128 with tensor cores; with FMAs 8192 // (block_n * BLOCK_M) (8 KiB of weight
-               per step at M = 1), at least 32, at most pow2(K);
+      block_n: 64 with tensor cores; with FMAs 8 when the 8-column blocks number >= 4 per SM,
+               else 4 (the bf16 kernel's rule, `ops/triton/gemv.py`);
+      block_k: 128 with tensor cores; with FMAs 4096 // (block_n * BLOCK_M) (the float32
+               accumulator's size), at least 32, at most pow2(K);
       split_k: doubled from 1 while the programs are fewer than 2 per SM, each part keeps at
                least 2 K steps, and split_k < 16."""
     cfg = tuning.config("fp8_gemv", device)
@@ -207,15 +213,10 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
     sms = _num_sms(torch.device(device))
     block_n = cfg["block_n"]
     if block_n is None:
-        block_n = 64 if use_dot else 4
-        if not use_dot:
-            for bn in (32, 16, 8):
-                if triton.cdiv(N, bn) >= 4 * sms:
-                    block_n = bn
-                    break
+        block_n = 64 if use_dot else (8 if triton.cdiv(N, 8) >= 4 * sms else 4)
     block_k = cfg["block_k"]
     if block_k is None:
-        block_k = 128 if use_dot else max(32, min(8192 // (block_n * block_m), _pow2(K)))
+        block_k = 128 if use_dot else max(32, min(4096 // (block_n * block_m), _pow2(K)))
     split_k = cfg["split_k"]
     if split_k is None:
         split_k, blocks = 1, triton.cdiv(N, block_n)
@@ -226,6 +227,7 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
     split_k = triton.cdiv(K, k_per_split)  # no empty part
     return {"use_dot": use_dot, "block_m": block_m, "block_n": block_n, "block_k": block_k,
             "split_k": split_k, "k_per_split": k_per_split, "block_a": max(64, 2048 // block_m),
+            "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "max_m": cfg["max_m"]}
 
 
@@ -256,7 +258,8 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         x, weight, ws, input_scale if static else ws,
         bias if bias is not None else ws, part, M, N, K, x.stride(0), weight.stride(0),
         0 if ws.numel() == 1 else ws.stride(0), N, M * N, plan["k_per_split"],
-        STATIC=static, HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=plan["use_dot"],
+        STATIC=static, HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=plan["even_k"],
+        USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],
         NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"])

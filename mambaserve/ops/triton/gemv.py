@@ -124,28 +124,34 @@ def _pow2(n: int) -> int:
 
 def launch_plan(M: int, N: int, K: int, device) -> dict:
     """The launch of an [M, K] x [N, K]^T product on `device`: the tuning entry "gemv" with its
-    None knobs resolved. Rules (None):
-      use_dot: M > 2 (FMAs for one or two rows);
-      block_n: 16 with tensor cores (the smallest MMA tile), else 8;
-      block_k: 256 with tensor cores, else 2048 // (block_n * BLOCK_M), at least 32; at most
-               pow2(K) either way;
-      split_k: doubled from 1 while the programs are fewer than 2 per SM, each part keeps at
-               least 4 K steps, and split_k < 16."""
+    None knobs resolved. Rules (None), from `scripts/gemv_sweep.py` on an H200 (docs/kernels.md):
+      use_dot: FMAs for one or two rows of a product with N <= 3 K (the out_proj / down shapes,
+               where they beat cuBLAS by 10-30 %), tensor cores otherwise;
+      block_n: with FMAs 8 when the 8-column blocks number >= 4 per SM, else 4; with tensor
+               cores 32;
+      block_k: with FMAs 2048 // (block_n * BLOCK_M) (the accumulator's size), at least 32;
+               with tensor cores 128; at most pow2(K) either way;
+      split_k: with FMAs 1 (more column blocks beat K splits); with tensor cores doubled from 1
+               while the programs are fewer than 2 per SM, each part keeps at least 8 K steps,
+               and split_k < 16."""
     cfg = tuning.config("gemv", device)
+    sms = _num_sms(torch.device(device))
     use_dot = cfg["use_dot"]
     if use_dot is None:
-        use_dot = M > 2
+        use_dot = not (M <= 2 and N <= 3 * K)
     block_m = max(16, _pow2(M)) if use_dot else _pow2(M)
-    block_n = cfg["block_n"] or (16 if use_dot else 8)
+    block_n = cfg["block_n"]
+    if block_n is None:
+        block_n = 32 if use_dot else (8 if triton.cdiv(N, 8) >= 4 * sms else 4)
     block_k = cfg["block_k"]
     if block_k is None:
-        block_k = 256 if use_dot else max(32, 2048 // (block_n * block_m))
+        block_k = 128 if use_dot else max(32, 2048 // (block_n * block_m))
     block_k = min(block_k, max(16, _pow2(K)))
     split_k = cfg["split_k"]
     blocks = triton.cdiv(N, block_n)
     if split_k is None:
-        split_k, sms = 1, _num_sms(torch.device(device))
-        while (blocks * split_k < 2 * sms and split_k < 16
+        split_k = 1
+        while (use_dot and blocks * split_k < 2 * sms and split_k < 16
                and triton.cdiv(K, block_k) >= 8 * split_k):
             split_k *= 2
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
@@ -167,13 +173,14 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
     M, K = x.shape
     N = weight.shape[0]
-    plan = launch_plan(M, N, K, x.device)
-    assert M <= plan["max_m"], f"gemv_triton takes at most max_m={plan['max_m']} rows, got {M}"
+    max_m = tuning.config("gemv", x.device)["max_m"]
+    assert M <= max_m, f"gemv_triton takes at most max_m={max_m} rows, got {M}"
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    plan = launch_plan(M, N, K, x.device)
     split = plan["split_k"]
     blocks = triton.cdiv(N, plan["block_n"])
     if split > 1:

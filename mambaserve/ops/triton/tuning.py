@@ -65,7 +65,7 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # num_warps 4 when BLOCK_D * BLOCK_N >= 4096, else 2; num_splits from the split-KV heuristic
     # (choose_num_splits with min_split_keys), an int forces that many key partitions
     "paged_attention": MappingProxyType({"block_n": None, "num_warps": None, "num_splits": None,
-                                         "min_split_keys": 256}),
+                                         "min_split_keys": 64}),
     # tiled paged attention (prefill tokens): block_m query rows per program; block_n None =
     # max(16, min(64, pow2(page_size)))
     "paged_attention_tiled": MappingProxyType({"block_m": 128, "block_n": None, "num_warps": 4}),

@@ -1,0 +1,152 @@
+"""The few-rows linear (`mambaserve/ops/triton/gemv.py`) against `torch.nn.functional.linear`
+in float64 (CPU interpreter in float32 / float16; compiled on a GPU in bfloat16 too): both inner
+products (FMA, tensor cores), split K reduced by the last arriving program (deterministic, the
+counters left at zero), biases, strided rows, ragged K and N, the launch rules, the dispatch of
+`ops.linear`; on the GPU the presets' shapes and a CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_env import DEV, require_interpreter  # before anything imports triton
+
+# isort: split
+import torch.nn.functional as F
+
+from mambaserve.ops.dispatch import kernel_path
+from mambaserve.ops.linear import linear
+from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton.gemv import _COUNTERS, _gemv_kernel, gemv_triton, launch_plan
+
+require_interpreter(_gemv_kernel)
+
+gpu = pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+
+
+def _case(M, N, K, dtype, bias=True, seed=0, row_stride=None):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(M, row_stride or K, generator=g)[:, :K]
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    b = torch.randn(N, generator=g) if bias else None
+    return (xs.to(DEV, dtype), w.to(DEV, dtype), None if b is None else b.to(DEV, dtype))
+
+
+def _ref(x, w, b):
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def _tol(dtype):  # one rounding of the output plus float32 sums in another order
+    return {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M, N, K, knobs", [
+    (1, 40, 96, {"use_dot": False, "block_k": 32}),                  # FMA, several K steps
+    (2, 37, 200, {"use_dot": False, "block_n": 8, "block_k": 64}),   # ragged N and K
+    (1, 64, 512, {"use_dot": False, "split_k": 4, "block_k": 32}),   # FMA, split K
+    (3, 37, 200, {"use_dot": True, "block_k": 32}),                  # tensor cores, ragged
+    (5, 33, 130, {"use_dot": True, "split_k": 3, "block_k": 16}),    # tensor cores, split K
+    (8, 24, 48, {}),                                                 # the launch rules
+    (1, 48, 16, {}),
+])
+def test_gemv_matches_linear(dtype, M, N, K, knobs):
+    x, w, b = _case(M, N, K, dtype)
+    for bias in (b, None):
+        with tuning.override("gemv", **knobs):
+            y = gemv_triton(x, w, bias)
+        assert y.dtype == dtype and y.shape == (M, N)
+        want = _ref(x, w, bias)
+        err = (y.double() - want).abs().max().item()
+        assert err <= _tol(dtype) * (1 + want.abs().max().item()), err
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_split_k_is_deterministic_and_leaves_the_counters_at_zero(use_dot):
+    x, w, b = _case(2, 50, 384, torch.float32, seed=3)
+    with tuning.override("gemv", use_dot=use_dot, split_k=4, block_k=32):
+        assert launch_plan(2, 50, 384, x.device)["split_k"] == 4
+        y1 = gemv_triton(x, w, b)
+        y2 = gemv_triton(x, w, b)
+    with tuning.override("gemv", use_dot=use_dot, split_k=1, block_k=32):
+        y0 = gemv_triton(x, w, b)
+    assert torch.equal(y1, y2)  # the same order of the partial sums on every run
+    assert (y1 - y0).abs().max().item() <= 1e-4  # only the summation order differs
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
+
+
+def test_strided_rows_and_empty_shapes():
+    x, w, b = _case(3, 20, 64, torch.float32, row_stride=80)
+    assert x.stride(0) == 80
+    with tuning.override("gemv", block_k=16):
+        y = gemv_triton(x, w, b)
+    assert (y.double() - _ref(x, w, b)).abs().max().item() <= 1e-4
+    assert gemv_triton(x[:0], w, b).shape == (0, 20)
+    xe, we = torch.zeros(2, 0, device=DEV), torch.zeros(5, 0, device=DEV)
+    assert torch.equal(gemv_triton(xe, we, None), torch.zeros(2, 5, device=DEV))
+    be = torch.arange(5.0, device=DEV)
+    assert torch.equal(gemv_triton(xe, we, be), be.expand(2, 5))
+
+
+def test_too_many_rows_are_refused():
+    x, w, _ = _case(9, 16, 32, torch.float32)
+    with pytest.raises(AssertionError, match="at most max_m=8 rows, got 9"):
+        gemv_triton(x, w)
+
+
+def test_launch_rules():
+    """FMAs for one or two rows when N <= 3 K, tensor cores else; split K only with tensor cores
+    and only while the column blocks are too few (interpreter: one "SM")."""
+    dev = torch.device("cpu")
+    p = launch_plan(1, 4480, 15680, dev)
+    assert not p["use_dot"] and p["split_k"] == 1 and p["block_k"] * p["block_n"] == 2048
+    assert launch_plan(2, 4480, 4480, dev)["use_dot"] is False
+    p = launch_plan(1, 22656, 4480, dev)
+    assert p["use_dot"] and p["block_n"] == 32 and p["block_k"] == 128
+    assert launch_plan(3, 100, 100, dev)["use_dot"]
+    p = launch_plan(8, 64, 4096, dev)
+    assert p["even_k"] and p["k_per_split"] * p["split_k"] == 4096
+    assert not launch_plan(1, 64, 100, dev)["even_k"]
+
+
+def test_linear_dispatch():
+    """`ops.linear` takes the kernel only for few rows of a 16-bit model on CUDA; the CPU and
+    float32 always run F.linear (the reference)."""
+    w16 = torch.zeros(8, 4, dtype=torch.bfloat16)
+    x16 = torch.zeros(3, 4, dtype=torch.bfloat16)
+    want = "triton" if DEV == "cuda" else "reference"
+    assert kernel_path("gemv", DEV, x=x16.to(DEV), weight=w16.to(DEV)) == want
+    assert kernel_path("gemv", DEV, x=torch.zeros(9, 4, dtype=torch.bfloat16, device=DEV),
+                       weight=w16.to(DEV)) == "reference"
+    assert kernel_path("gemv", DEV, x=torch.zeros(1, 4, device=DEV),
+                       weight=torch.zeros(8, 4, device=DEV)) == "reference"
+    assert kernel_path("gemv", DEV, x=x16.to(DEV), weight=w16.t().to(DEV)[:, :4]) == "reference"
+    x, w, b = _case(2, 12, 16, torch.float32)
+    torch.testing.assert_close(linear(x.view(2, 1, 16), w, b), F.linear(x, w, b).view(2, 1, 12))
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 4, 8])
+@pytest.mark.parametrize("N, K", [(4480, 15680), (22656, 4480), (3072, 1536), (2048, 8192),
+                                  (8728, 3072)])
+def test_gemv_at_the_presets_shapes_on_gpu(M, N, K):
+    x, w, b = _case(M, N, K, torch.bfloat16, seed=M)
+    y = linear(x, w, b)  # the dispatch: the kernel at these row counts
+    want = _ref(x, w, b)
+    err = (y.double() - want).abs().max().item()
+    assert err <= _tol(torch.bfloat16) * want.abs().max().item(), err
+    assert torch.equal(y, linear(x, w, b))
+
+
+@gpu
+def test_gemv_replays_in_a_cuda_graph():
+    x, w, b = _case(4, 2048, 8192, torch.bfloat16)  # tensor cores with split K on an H200
+    assert launch_plan(4, 2048, 8192, x.device)["split_k"] > 1
+    eager = gemv_triton(x, w, b)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = gemv_triton(x, w, b)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
