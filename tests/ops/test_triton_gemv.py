@@ -25,10 +25,10 @@ gpu = pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
 
 def _case(M, N, K, dtype, bias=True, seed=0, row_stride=None):
     g = torch.Generator().manual_seed(seed)
-    xs = torch.randn(M, row_stride or K, generator=g)[:, :K]
+    xs = torch.randn(M, row_stride or K, generator=g).to(DEV, dtype)[:, :K]  # rows strided
     w = torch.randn(N, K, generator=g) / K ** 0.5
     b = torch.randn(N, generator=g) if bias else None
-    return (xs.to(DEV, dtype), w.to(DEV, dtype), None if b is None else b.to(DEV, dtype))
+    return xs, w.to(DEV, dtype), None if b is None else b.to(DEV, dtype)
 
 
 def _ref(x, w, b):

@@ -247,13 +247,14 @@ def test_paged_attention_split_kv_ignores_nan_past_length(num_splits):
 
 
 def test_choose_num_splits():
-    # the tuned min_split_keys (256)
+    # the tuned min_split_keys (64)
     keys = tuning.config("paged_attention", "cpu")["min_split_keys"]
-    assert choose_num_splits(1, 8, 2048, 264, keys) == 8  # 9B decode batch 1: 2048 / 256
+    assert keys == 64
+    assert choose_num_splits(1, 8, 2048, 264, keys) == 32  # 9B decode batch 1: 2048 / 64
     assert choose_num_splits(1, 8, 131072, 264, keys) == 33  # cdiv(264, 8) programs' worth
     assert choose_num_splits(4, 8, 8192, 264, keys) == 9
     assert choose_num_splits(33, 8, 8192, 264, keys) == 1  # 264 programs: already full
-    assert choose_num_splits(1, 8, 100, 264, keys) == 1  # short context: one partition
+    assert choose_num_splits(1, 8, 60, 264, keys) == 1  # short context: one partition
     assert choose_num_splits(1, 8, 0, 264, keys) == 1
     assert choose_num_splits(1, 2, 512, 264, min_split_keys=32) == 16
 
