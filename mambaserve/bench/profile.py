@@ -51,9 +51,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("attention", "flash", "fmha", "sdpa", "write_kv", "rotary")),
     ("norm", ("rmsnorm", "norm")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm",
-                "aten::bmm", "aten::linear", "aten::matmul", "splitk")),
+                "aten::bmm", "aten::linear", "aten::matmul", "splitk", "gemv", "scaled_mm")),
     ("copy", ("memcpy", "memset", "copy", "aten::cat", "index", "gather", "scatter", "fill")),
-    ("elementwise", ("elementwise", "vectorized", "reduce", "softmax", "aten::", "triton_")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "softmax", "aten::", "triton_",
+                     "silu", "relu")),
 )
 
 

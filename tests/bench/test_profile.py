@@ -18,6 +18,7 @@ from mambaserve.cli import main
     ("_gated_rmsnorm_kernel", "norm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "matmul"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"), ("aten::mm", "matmul"),
+    ("_gemv_kernel", "matmul"), ("_fp8_gemv_kernel", "matmul"), ("_silu_mul_kernel", "elementwise"),
     ("Memcpy DtoD (Device -> Device)", "copy"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::silu>", "elementwise"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
