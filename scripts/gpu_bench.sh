@@ -4,7 +4,7 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode tp (nvidia-h200-x2: TP_SIZE ranks)
+#         latency latency-profile attention-decode gemv tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -56,7 +56,17 @@ stage_tests() {  # every CUDA-only test: compiled Triton kernels at real shapes,
         -k "cuda or gpu or triton"
 }
 stage_check() {  # exactness of the engine on CUDA vs transformers (tiny model), graphs too
-    run check 120 $PY scripts/gpu_check.py --out "$W/gpu_check.json"
+    # the GPU image's transformers 5.17 normalizes Bamba / Granite / Mamba2's gated norm over the
+    # whole width (benchmarks.md); a newer one travels in .whl/tf when the GPU's is that old
+    local tf=""
+    if [ -d .whl/tf ]; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tf \
+            .whl/tf/*.whl && tf=/tmp/tf:
+    fi
+    PYTHONPATH=$tf$PYTHONPATH run check 150 $PY scripts/gpu_check.py --out "$W/gpu_check.json"
+}
+stage_gemv() {  # the few-rows linear vs cuBLAS at the presets' decode shapes (kernels.md)
+    run gemv 300 $PY scripts/gemv_sweep.py --out "$W/gemv_sweep.json"
 }
 stage_audit() {
     run audit 120 $MS audit-syncs --device cuda
