@@ -88,12 +88,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def _fp8_linear_gemv(x, weight, weight_scale, input_scale, bias):
-    from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton
+    """The few-rows kernel. With dynamic scales and tuning fp8_gemv.prequant, the rows are
+    quantized first (`quantize_fp8`: one launch) and the kernel reads their e4m3 codes; else it
+    quantizes them itself (each program recomputes the rows' amax over the whole K)."""
+    from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton, prequantize
 
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    y = fp8_gemv_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, weight_scale,
-                        input_scale, bias)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if input_scale is None and prequantize(x.device):
+        q, s = quantize_fp8(x2)
+        y = fp8_gemv_triton(q, weight, weight_scale, bias=bias, x_scale=s, out_dtype=x.dtype)
+    else:
+        y = fp8_gemv_triton(x2, weight, weight_scale, input_scale, bias)
     return y.reshape(*lead, weight.shape[0])
 
 

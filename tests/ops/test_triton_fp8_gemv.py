@@ -167,6 +167,22 @@ def test_scales_bias_and_dtypes(per_tensor):
     assert fp8_gemv_triton(torch.zeros(0, 96), wq, ws, None, b).shape == (0, 20)
 
 
+@cpu_only
+@pytest.mark.parametrize("knobs", [{"dot_min_m": 99}, {"dot_min_m": 1, "split_k": 2,
+                                                      "block_k": 32}])
+def test_prequantized_rows_match_the_reference(knobs):
+    """x given as its e4m3 codes and per-row scales (the quantization launched before the
+    kernel): the same product as quantizing inside."""
+    x, wq, ws, _, b = _operands(5, 200, 33, seed=21, zero_rows=[2])
+    q, s = fp8_matmul.quantize_fp8_ref(x)
+    with tuning.override("fp8_gemv", **knobs):
+        got = fp8_gemv_triton(q, wq, ws, bias=b, x_scale=s, out_dtype=x.dtype)
+    assert got.dtype == x.dtype
+    _check(got, x, wq, ws, None, b)
+    with pytest.raises(AssertionError, match="need x_scale and out_dtype"):
+        fp8_gemv_triton(q, wq, ws)
+
+
 def test_launch_plan_rules():
     with tuning.override("fp8_gemv", max_m=64):
         p1 = launch_plan(1, 4480, 15680, "cpu")
@@ -218,6 +234,13 @@ def test_fp8_linear_routes_few_rows_to_the_kernel(monkeypatch):
     got = fp8_linear(x.reshape(2, 3, 72), wq, ws, s_in, b)
     assert decided == ["fp8_gemv"] and got.shape == (2, 3, 24)
     _check(got.reshape(6, 24), x, wq, ws, s_in, b)
+    # dynamic scales: quantized by their own launch first (prequant), or inside the kernel
+    for prequant, asked in [(True, ["fp8_gemv", "fp8_quant"]), (False, ["fp8_gemv"])]:
+        decided.clear()
+        with tuning.override("fp8_gemv", prequant=prequant):
+            got = fp8_linear(x, wq, ws, None, b)
+        assert decided == asked
+        _check(got, x, wq, ws, None, b)
 
 
 # ---- on a GPU with FP8 ------------------------------------------------------------------------

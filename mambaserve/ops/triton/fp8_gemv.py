@@ -108,7 +108,8 @@ def _weight(w, HW_FP8: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_ws"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
                      M, N, K, stride_xm, stride_wn, stride_ws, stride_om, stride_os, k_per_split,
-                     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     STATIC: tl.constexpr, PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
                      NUM_STAGES: tl.constexpr):
@@ -120,7 +121,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
     col_ok = cols < N
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     # the rows' scales: every program computes them (x is small and sits in L2)
-    if STATIC:
+    if PREQUANT:  # x holds the e4m3 codes already, in_scale_ptr one scale per row
+        sx = tl.load(in_scale_ptr + rows, mask=row_ok, other=1.0).to(tl.float32)
+    elif STATIC:
         sx = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(in_scale_ptr).to(tl.float32)
     else:
         amax = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
@@ -147,7 +150,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
             k_ok = kk < k_hi
             wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        q = _quantize(xv.to(tl.float32), sx[:, None], HW_FP8)
+        if PREQUANT:
+            q = _weight(xv, HW_FP8)
+        else:
+            q = _quantize(xv.to(tl.float32), sx[:, None], HW_FP8)
         w = _weight(wb, HW_FP8)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(q), acc, max_num_imprecise_acc=0)
@@ -231,34 +237,50 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "max_m": cfg["max_m"]}
 
 
+def prequantize(device) -> bool:
+    """Whether `fp8_linear` quantizes dynamic-scale rows in a launch of their own before this
+    kernel (tuning knob "prequant") instead of inside it."""
+    return bool(tuning.config("fp8_gemv", device)["prequant"])
+
+
 def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`fp8_linear`'s contract for x [M, K] (rows may be strided, last dim contiguous) with M <=
     the tuning entry's `max_m` (the launch holds every row in registers): weight [N, K]
     float8_e4m3fn (last dim contiguous), weight_scale [N] or one element float32, input_scale
-    None (dynamic per row) or one element, bias [N] or None -> [M, N] in x.dtype."""
+    None (dynamic per row) or one element, bias [N] or None -> [M, N] in x.dtype.
+
+    Pre-quantized rows: x float8_e4m3fn (the activation quantization already done, e.g. by
+    `quantize_fp8`) with `x_scale` its per-row float32 scales ([M] or [M, 1]) and `out_dtype`
+    the output dtype; `input_scale` is then unused."""
     assert x.dim() == 2 and x.stride(-1) == 1, "fp8_gemv_triton takes [M, K] rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == x.shape[1]
     assert weight.dtype == torch.float8_e4m3fn
+    prequant = x.dtype == torch.float8_e4m3fn
+    assert not prequant or (x_scale is not None and out_dtype is not None), \
+        "pre-quantized rows need x_scale and out_dtype"
     M, K = x.shape
     N = weight.shape[0]
     plan = launch_plan(M, N, K, x.device)
     assert M <= plan["max_m"], f"fp8_gemv_triton takes at most max_m={plan['max_m']} rows, got {M}"
     assert weight_scale.numel() in (1, N), "weight_scale: one per output row, or one"
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=out_dtype if prequant else x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    static = input_scale is not None
+    static = input_scale is not None and not prequant
+    if prequant:
+        input_scale = x_scale.reshape(-1)
     split = plan["split_k"] > 1
     part = torch.empty((plan["split_k"], M, N), dtype=torch.float32, device=x.device) if split else y
     ws = weight_scale.reshape(-1)
     grid = (triton.cdiv(N, plan["block_n"]), plan["split_k"])
     _fp8_gemv_kernel[grid](
-        x, weight, ws, input_scale if static else ws,
+        x, weight, ws, input_scale if static or prequant else ws,
         bias if bias is not None else ws, part, M, N, K, x.stride(0), weight.stride(0),
         0 if ws.numel() == 1 else ws.stride(0), N, M * N, plan["k_per_split"],
-        STATIC=static, HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=plan["even_k"],
+        STATIC=static, PREQUANT=prequant, HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=plan["even_k"],
         USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],

@@ -83,11 +83,13 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # bf16 / fp16 decode projections to it; None = the launcher's rules (`launch_plan`)
     "gemv": MappingProxyType({"max_m": 8, "use_dot": None, "block_n": None, "block_k": None,
                               "split_k": None, "num_warps": 4, "num_stages": 4}),
-    # FP8 linear of few rows (ops/triton/fp8_gemv.py; NOT measured yet): the dispatch routes at
-    # most max_m token rows to it (when switched on: MAMBASERVE_FP8_GEMV=1); tensor cores from
-    # dot_min_m rows, CUDA-core FMAs below; None = the launcher's rules (`launch_plan`)
+    # FP8 linear of few rows (ops/triton/fp8_gemv.py): the dispatch routes at most max_m token
+    # rows to it (when switched on: MAMBASERVE_FP8_GEMV=1); tensor cores from dot_min_m rows,
+    # CUDA-core FMAs below; None = the launcher's rules (`launch_plan`); prequant: dynamic
+    # activation scales by a separate quantization launch (`ops/fp8_matmul.py`)
     "fp8_gemv": MappingProxyType({"max_m": 16, "dot_min_m": 4, "block_n": None, "block_k": None,
-                                  "split_k": None, "num_warps": 4, "num_stages": 3}),
+                                  "split_k": None, "num_warps": 4, "num_stages": 3,
+                                  "prequant": True}),
 })
 
 # No other device has been tuned: the sm_90 values serve everywhere else.
