@@ -45,14 +45,13 @@ def _fp8_gemm_ok(device: torch.device, x: torch.Tensor, weight: torch.Tensor) ->
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
 
 
-# The switch of the one-launch FP8 kernel for few rows (`ops/triton/fp8_gemv.py`): off unless
-# this environment variable is "1", until the kernel has been verified on a GPU
-# (docs/quantization.md; `scripts/gpu_bench.sh fp8` turns it on for its own runs).
+# The switch of the FP8 kernel for few rows (`ops/triton/fp8_gemv.py`): on unless this
+# environment variable is "0" (then decode batches take the scaled_mm path; docs/quantization.md).
 FP8_GEMV_ENV = "MAMBASERVE_FP8_GEMV"
 
 
 def fp8_gemv_enabled() -> bool:
-    return os.environ.get(FP8_GEMV_ENV, "0") == "1"
+    return os.environ.get(FP8_GEMV_ENV, "1") != "0"
 
 
 def _fp8_gemv_ok(device: torch.device, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -118,9 +117,9 @@ CONDITIONS: dict[str, Condition | None] = {
     "fp8_linear": Condition(("device", "x", "weight"), _fp8_gemm_ok,
                             "devices of compute capability < 8.9, non-bfloat16 activations and "
                             "K or N not a multiple of 16"),
-    # few token rows (decode): quantization and product in one launch; off by default
+    # few token rows (decode): the bandwidth-bound FP8 kernel; on unless switched off
     "fp8_gemv": Condition(("device", "x", "weight"), _fp8_gemv_ok,
-                          f"{FP8_GEMV_ENV} not 1 (the default), devices of compute capability "
+                          f"{FP8_GEMV_ENV}=0, devices of compute capability "
                           "< 8.9, non-bfloat16 activations and more rows than tuning "
                           "fp8_gemv.max_m"),
     # the copy kernel moves each slot as one flat run of elements

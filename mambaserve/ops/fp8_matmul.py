@@ -12,10 +12,10 @@ row, max|row| / 448, computed on the device). Activation quantization is q = cla
 
 Three implementations, picked by `ops.dispatch.kernel_path("fp8_gemv" / "fp8_linear", ...)`:
 
-- few token rows (CUDA >= 8.9, bfloat16 x, at most tuning "fp8_gemv" max_m rows, and only when
-  switched on with MAMBASERVE_FP8_GEMV=1: off by default until verified on a GPU): one Triton
-  launch (`ops/triton/fp8_gemv.py`) quantizes the rows and multiplies, bandwidth-bound on the
-  weight;
+- few token rows (CUDA >= 8.9, bfloat16 x, at most tuning "fp8_gemv" max_m rows, unless
+  switched off with MAMBASERVE_FP8_GEMV=0): the rows quantized by one launch
+  (`ops/triton/fp8_quant.py`; with a static scale inside the kernel instead), then the Triton
+  kernel of `ops/triton/fp8_gemv.py`, bandwidth-bound on the weight;
 - the fast path (CUDA, compute capability >= 8.9, bfloat16 x, K and N multiples of 16): the
   activation is quantized by one Triton launch (`ops/triton/fp8_quant.py`, scales written on the
   device) and the product runs in cuBLASLt through `torch._scaled_mm` with row-wise scales

@@ -120,12 +120,13 @@ gpu = pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA device of compute 
 
 @gpu
 @pytest.mark.parametrize("static", [False, True])
-def test_gpu_triton_quantization_matches_the_reference_bit_for_bit(static):
+@pytest.mark.parametrize("K", [4480, 20000])  # one tile in registers / two passes over tiles
+def test_gpu_triton_quantization_matches_the_reference_bit_for_bit(static, K):
     from mambaserve.ops.triton.fp8_quant import quantize_fp8_triton
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(67, 4480 + 64, device="cuda", generator=g, dtype=torch.bfloat16)
-    x = x[:, :4480]  # strided rows
+    x = torch.randn(67, K + 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = x[:, :K]  # strided rows
     x[5] = 0
     scale = torch.tensor(0.01, device="cuda") if static else None
     q, s = quantize_fp8_triton(x, scale)

@@ -197,15 +197,15 @@ def test_launch_plan_rules():
         fp8_gemv_triton(x, wq, ws)
 
 
-def test_dispatch_is_off_by_default_and_bounded_by_max_m(monkeypatch):
+def test_dispatch_is_on_by_default_and_bounded_by_max_m(monkeypatch):
     x = torch.zeros(2, 3, 64, dtype=torch.bfloat16)
     w = torch.zeros(32, 64, dtype=FP8_DTYPE)
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     monkeypatch.setattr(dispatch, "fp8_capable", lambda device: True)
     monkeypatch.setattr(tuning, "_cuda_capability", lambda index: (9, 0))
+    monkeypatch.setenv(FP8_GEMV_ENV, "0")
+    assert kernel_path("fp8_gemv", "cuda:0", x=x, weight=w) == "reference"  # switched off
     monkeypatch.delenv(FP8_GEMV_ENV, raising=False)
-    assert kernel_path("fp8_gemv", "cuda:0", x=x, weight=w) == "reference"  # off by default
-    monkeypatch.setenv(FP8_GEMV_ENV, "1")
     assert kernel_path("fp8_gemv", "cpu", x=x, weight=w) == "reference"
     assert kernel_path("fp8_gemv", "cuda:0", x=x, weight=w) == "triton"  # 6 rows <= 16
     assert kernel_path("fp8_gemv", "cuda:0", x=x.float(), weight=w) == "reference"

@@ -84,7 +84,7 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "gemv": MappingProxyType({"max_m": 8, "use_dot": None, "block_n": None, "block_k": None,
                               "split_k": None, "num_warps": 4, "num_stages": 4}),
     # FP8 linear of few rows (ops/triton/fp8_gemv.py): the dispatch routes at most max_m token
-    # rows to it (when switched on: MAMBASERVE_FP8_GEMV=1); tensor cores from dot_min_m rows,
+    # rows to it (unless MAMBASERVE_FP8_GEMV=0); tensor cores from dot_min_m rows,
     # CUDA-core FMAs below; None = the launcher's rules (`launch_plan`); prequant: dynamic
     # activation scales by a separate quantization launch (`ops/fp8_matmul.py`)
     "fp8_gemv": MappingProxyType({"max_m": 16, "dot_min_m": 4, "block_n": None, "block_k": None,
