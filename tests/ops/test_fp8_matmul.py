@@ -120,7 +120,7 @@ gpu = pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA device of compute 
 
 @gpu
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("K", [4480, 20000])  # one tile in registers / two passes over tiles
+@pytest.mark.parametrize("K", [4480, 20000])
 def test_gpu_triton_quantization_matches_the_reference_bit_for_bit(static, K):
     from mambaserve.ops.triton.fp8_quant import quantize_fp8_triton
 

@@ -3,8 +3,6 @@ launch, with its scale written on the device (no host sync). Dynamic: scale = ma
 1e-12) / 448, computed in the kernel; static: the one given scale for every row. Each element is
 x / scale (IEEE division, `div_rn`, as torch divides), clamped to +-448, rounded to nearest even
 by the cast: the same bits as the torch reference (`mambaserve.ops.fp8_matmul.quantize_fp8_ref`).
-Rows of at most 16,384 elements are read once into registers (the scale and the codes from
-them); wider rows in two passes of 1,024-element tiles.
 """
 
 from __future__ import annotations
@@ -16,43 +14,30 @@ import triton.language as tl
 _FP8_MAX = tl.constexpr(448.0)
 _MIN_AMAX = tl.constexpr(1e-12)
 _BLOCK = 1024
-_ONE_TILE_MAX = 16384  # rows up to this width are read once, whole, into registers
 
 
 @triton.jit(do_not_specialize=["K", "stride_x"])
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, stride_x,
-                       STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
+                       STATIC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    if ONE_TILE:  # the whole row in registers: one read, then the scale, then the codes
-        offs = tl.arange(0, BLOCK)
-        m = offs < K
-        v = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(in_scale_ptr).to(tl.float32)
-        else:
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), _MIN_AMAX), _FP8_MAX)
-        tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -_FP8_MAX), _FP8_MAX)
-        tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=m)
-    else:  # two passes over 1,024-element tiles: the amax, then the codes
-        if STATIC:
-            scale = tl.load(in_scale_ptr).to(tl.float32)
-        else:
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
-            for k in range(0, K, BLOCK):
-                offs = k + tl.arange(0, BLOCK)
-                v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(v))
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX), _FP8_MAX)
-        tl.store(s_ptr + row, scale)
+    if STATIC:
+        scale = tl.load(in_scale_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k in range(0, K, BLOCK):
             offs = k + tl.arange(0, BLOCK)
-            m = offs < K
-            v = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
-            q = tl.math.div_rn(v, scale)
-            q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
-            tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=m)
+            v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX), _FP8_MAX)
+    tl.store(s_ptr + row, scale)
+    for k in range(0, K, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        m = offs < K
+        v = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+        q = tl.math.div_rn(v, scale)
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+        tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=m)
 
 
 def quantize_fp8_triton(x: torch.Tensor, input_scale: torch.Tensor | None
@@ -66,9 +51,6 @@ def quantize_fp8_triton(x: torch.Tensor, input_scale: torch.Tensor | None
     s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M:
         static = input_scale is not None
-        one = K <= _ONE_TILE_MAX  # decode rows: one launch of a few microseconds
-        block = triton.next_power_of_2(K) if one else _BLOCK
         _quant_rows_kernel[(M,)](x, q, s, input_scale if static else s, K, x.stride(0),
-                                 STATIC=static, BLOCK=block, ONE_TILE=one,
-                                 num_warps=8 if block >= 4096 else 4)
+                                 STATIC=static, BLOCK=_BLOCK, num_warps=4)
     return q, s
