@@ -357,10 +357,10 @@ write_config(preset_config('$PRESET'), '$dir')"
 stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch FP8 vs bf16, drift
     run fp8-tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_fp8_matmul.py \
         tests/layers/test_fp8_linear.py
-    # the one-launch kernel for few rows (ops/triton/fp8_gemv.py), off by default: its GPU tests
+    # the few-rows kernel (ops/triton/fp8_gemv.py), the decode default: its GPU tests
     run fp8-gemv-tests 300 $PY -m pytest -q -p no:cacheprovider tests/ops/test_triton_fp8_gemv.py
     [ -n "${FP8_QUICK:-}" ] || run fp8-audit 120 $MS audit-syncs --device cuda --dtype bfloat16 --quantization fp8
-    [ -n "${FP8_QUICK:-}" ] || MAMBASERVE_FP8_GEMV=1 run fp8-gemv-audit 120 $MS audit-syncs \
+    [ -n "${FP8_QUICK:-}" ] || MAMBASERVE_FP8_GEMV=0 run fp8-scaled-mm-audit 120 $MS audit-syncs \
         --device cuda --dtype bfloat16 --quantization fp8
     [ -n "${FP8_QUICK:-}" ] || run fp8-gemm 200 $PY scripts/fp8_gemm_bench.py --out "$W/fp8_gemm.json"
     for q in bf16 fp8; do
@@ -370,11 +370,11 @@ stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch
             --dtype bfloat16 --batch-size 1,8,64 --input-len 2048 --output-len 24 \
             --engine "$eng" --out "$W/one_batch_$q.json"
     done
-    # FP8 with the few-rows kernel switched on (MAMBASERVE_FP8_GEMV=1: decode batches <= max_m)
-    MAMBASERVE_FP8_GEMV=1 run one-batch-fp8-gemv 300 $MS bench one-batch --preset $PRESET \
+    # FP8 with the few-rows kernel switched off (MAMBASERVE_FP8_GEMV=0: every batch _scaled_mm)
+    MAMBASERVE_FP8_GEMV=0 run one-batch-fp8-scaled-mm 300 $MS bench one-batch --preset $PRESET \
         --device cuda --dtype bfloat16 --batch-size 1,8,64 --input-len 2048 --output-len 24 \
         --engine enforce_eager=false,chunked_prefill_size=16384,quantization=fp8 \
-        --out "$W/one_batch_fp8_gemv.json"
+        --out "$W/one_batch_fp8_scaled_mm.json"
     run fp8-drift-9b 300 $PY scripts/fp8_drift.py --preset $PRESET --device cuda \
         --dtype bfloat16 --tokens 2048 --out "$W/fp8_drift_9b.json"
     [ -n "${FP8_QUICK:-}" ] || run fp8-drift-demo 120 $PY scripts/fp8_drift.py --model mambaserve/assets/demo_model \
