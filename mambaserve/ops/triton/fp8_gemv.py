@@ -33,14 +33,13 @@ capturable.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton._common import num_sms, pow2
 
 
 # ---- e4m3 (float8_e4m3fn: sign, 4-bit exponent of bias 7, 3-bit mantissa, no infinities) ------
@@ -109,9 +108,9 @@ def _weight(w, HW_FP8: tl.constexpr):
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
                      M, N, K, stride_xm, stride_wn, stride_ws, stride_om, stride_os, k_per_split,
                      STATIC: tl.constexpr, PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
+                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+                     HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
                      NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -192,18 +191,6 @@ def _split_sum_kernel(part_ptr, bias_ptr, y_ptr, N, stride_ps, SPLIT_K: tl.const
 _INTERPRETED = isinstance(_fp8_gemv_kernel, InterpretedFunction)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the CPU interpreter: no occupancy to fill
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(idx).multi_processor_count
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
-
-
 def launch_plan(M: int, N: int, K: int, device) -> dict:
     """The launch of an [M, K] x [N, K]^T product on `device`: the tuning entry "fp8_gemv" with
     its None knobs resolved. Rules (None):
@@ -215,14 +202,14 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
                least 2 K steps, and split_k < 16."""
     cfg = tuning.config("fp8_gemv", device)
     use_dot = M >= cfg["dot_min_m"]
-    block_m = max(16, _pow2(M)) if use_dot else _pow2(M)
-    sms = _num_sms(torch.device(device))
+    block_m = max(16, pow2(M)) if use_dot else pow2(M)
+    sms = num_sms(torch.device(device))
     block_n = cfg["block_n"]
     if block_n is None:
         block_n = 64 if use_dot else (8 if triton.cdiv(N, 8) >= 4 * sms else 4)
     block_k = cfg["block_k"]
     if block_k is None:
-        block_k = 128 if use_dot else max(32, min(4096 // (block_n * block_m), _pow2(K)))
+        block_k = 128 if use_dot else max(32, min(4096 // (block_n * block_m), pow2(K)))
     split_k = cfg["split_k"]
     if split_k is None:
         split_k, blocks = 1, triton.cdiv(N, block_n)
@@ -273,15 +260,16 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if prequant:
         input_scale = x_scale.reshape(-1)
     split = plan["split_k"] > 1
-    part = torch.empty((plan["split_k"], M, N), dtype=torch.float32, device=x.device) if split else y
+    part = (torch.empty((plan["split_k"], M, N), dtype=torch.float32, device=x.device) if split
+            else y)
     ws = weight_scale.reshape(-1)
     grid = (triton.cdiv(N, plan["block_n"]), plan["split_k"])
     _fp8_gemv_kernel[grid](
         x, weight, ws, input_scale if static or prequant else ws,
         bias if bias is not None else ws, part, M, N, K, x.stride(0), weight.stride(0),
         0 if ws.numel() == 1 else ws.stride(0), N, M * N, plan["k_per_split"],
-        STATIC=static, PREQUANT=prequant, HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=plan["even_k"],
-        USE_DOT=plan["use_dot"],
+        STATIC=static, PREQUANT=prequant, HAS_BIAS=bias is not None, SPLIT=split,
+        EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],
         NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"])

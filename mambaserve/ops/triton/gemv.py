@@ -25,13 +25,12 @@ no value-dependent branch on the host: CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton._common import num_sms, pow2
 
 MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any split launch)
 
@@ -98,14 +97,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the CPU interpreter: no occupancy to fill
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(idx).multi_processor_count
-
-
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -116,10 +107,6 @@ def _counters(device: torch.device) -> torch.Tensor:
         buf = _COUNTERS[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32,
                                               device=device)
     return buf
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
 
 
 def launch_plan(M: int, N: int, K: int, device) -> dict:
@@ -135,18 +122,18 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
                while the programs are fewer than 2 per SM, each part keeps at least 8 K steps,
                and split_k < 16."""
     cfg = tuning.config("gemv", device)
-    sms = _num_sms(torch.device(device))
+    sms = num_sms(torch.device(device))
     use_dot = cfg["use_dot"]
     if use_dot is None:
         use_dot = not (M <= 2 and N <= 3 * K)
-    block_m = max(16, _pow2(M)) if use_dot else _pow2(M)
+    block_m = max(16, pow2(M)) if use_dot else pow2(M)
     block_n = cfg["block_n"]
     if block_n is None:
         block_n = 32 if use_dot else (8 if triton.cdiv(N, 8) >= 4 * sms else 4)
     block_k = cfg["block_k"]
     if block_k is None:
         block_k = 128 if use_dot else max(32, 2048 // (block_n * block_m))
-    block_k = min(block_k, max(16, _pow2(K)))
+    block_k = min(block_k, max(16, pow2(K)))
     split_k = cfg["split_k"]
     blocks = triton.cdiv(N, block_n)
     if split_k is None:
