@@ -295,12 +295,16 @@ stage_families-hf() {  # transformers' class of each family on the same shapes (
     done
 }
 stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a stream's view), twice
-    # for the 9B preset (run-to-run spread), once per family (b 1 and 8)
+    # for the 9B preset (run-to-run spread), its batch-8 decode, once per family (b 1 and 8)
     for i in 1 2; do
         run "latency-9b-$i" 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
             --batch-size 1 --input-len 32,128,512,2048 --output-len 24 \
             --engine enforce_eager=false,async_scheduling=true --out "$W/latency_9b_$i.json"
     done
+    run latency-9b-b8 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 8 --input-len 2048 --output-len 24 \
+        --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
+        --out "$W/latency_9b_b8.json"
     for p in $FAMILIES; do
         run "latency-$p" 200 $MS bench one-batch --preset $p --device cuda --dtype bfloat16 \
             --batch-size 1,8 --input-len 2048 --output-len 24 \
