@@ -16,7 +16,7 @@ import torch
 from mambaserve.bench.graph_timing import graph_time_us
 from mambaserve.ops.paged_attention import paged_attention_ref
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton.paged_attention import paged_attention_triton
+from mambaserve.ops.triton.paged_attention import decode_block_n, paged_attention_triton
 
 # (name, query heads, KV heads, head_dim) of the presets' attention layers
 SHAPES = [("nemotron-nano-9b-v2", 40, 8, 128), ("falcon-h1-7b", 12, 2, 128),
@@ -72,9 +72,10 @@ def main() -> None:
                             best[k] = (us, bn, ms)
     print("\nbest (block_n, min_split_keys) per shape; the current defaults' time beside it:")
     cur = tuning.config("paged_attention", torch.device(a.device))
+    dh = {name: Dh for name, _, _, Dh in SHAPES}
     for (name, T, C), (us, bn, ms) in best.items():
         now = next((x["us"] for x in rows if (x["shape"], x["T"], x["context"]) == (name, T, C)
-                    and x["block_n"] == (cur["block_n"] or PAGE)
+                    and x["block_n"] == (cur["block_n"] or decode_block_n(dh[name]))
                     and x["min_split_keys"] == cur["min_split_keys"]), float("nan"))
         print(f"{name} T={T} C={C}: {us:.1f} us at ({bn}, {ms}); defaults {now:.1f} us")
     if a.out:

@@ -269,6 +269,13 @@ def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
                       triton.cdiv(max(1, max_kv_len), max(1, min_split_keys))))
 
 
+def decode_block_n(head_dim: int) -> int:
+    """The per-token kernel's default keys per step: a K/V tile of 4096 elements, 32 keys of
+    head_dim 128, 64 of head_dim 64 (the best block_n at 64 decode tokens in
+    scripts/decode_attention_sweep.py; fewer serial steps per program)."""
+    return max(16, min(64, 4096 // max(16, triton.next_power_of_2(head_dim))))
+
+
 def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv_len, scale, *,
                            tiled: bool = False, out: torch.Tensor | None = None):
     """Same contract as `mambaserve.ops.paged_attention.paged_attention`. Each token's keys stop
@@ -314,9 +321,7 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, num_warps=num_warps,
         )
         return out
-    # a K/V tile of 4096 elements: 32 keys of head_dim 128, 64 of head_dim 64 (the best block_n
-    # at 64 decode tokens in scripts/decode_attention_sweep.py; fewer serial steps per program)
-    BLOCK_N = block_n or max(16, min(64, 4096 // BLOCK_D))
+    BLOCK_N = block_n or decode_block_n(Dh)
     if num_warps is None:
         num_warps = 4 if BLOCK_D * BLOCK_N >= 4096 else 2
     num_splits, min_split_keys = cfg["num_splits"], cfg["min_split_keys"]
