@@ -183,6 +183,5 @@ def install_reference(model: nn.Module, name_map, quant: dict[str, tuple]) -> li
             return out * mlp.down_multiplier if mlp.down_multiplier != 1.0 else out
 
         mlp.forward = forward
-        mlp.input_projection = lambda: None  # the decoder hands it x, not a projection of x
         done.append(f"{owner}.gate_up")
     return done

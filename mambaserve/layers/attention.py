@@ -18,7 +18,6 @@ from mambaserve.distributed.parallel_modules import (
     shard_range,
 )
 from mambaserve.layers.linear import Linear, is_plain_linear
-from mambaserve.layers.norm import Projection
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.layers.stacked_linear import stacked_linear
 from mambaserve.metadata import ForwardMetadata
@@ -89,36 +88,28 @@ class Attention(nn.Module):
             self.qkv_proj = qkv
             del self.q_proj, self.k_proj, self.v_proj
 
-    def input_projection(self) -> Projection | None:
-        """The packed q / k / v projection's (weight, bias), which a caller may apply with the
-        norm before it and hand to `forward` as `qkv`; None while q, k, v are separate (before
-        `pack_qkv`, or FP8)."""
-        p = self.qkv_proj
-        return (p.weight, p.bias) if p is not None and is_plain_linear(p) else None
-
-    def _qkv(self, x: torch.Tensor | None, qkv: torch.Tensor | None = None
+    def _qkv(self, x: torch.Tensor, qkv: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        D = self.head_dim
+        T, D = x.shape[0], self.head_dim
         if qkv is not None or self.qkv_proj is not None:  # views of one GEMM's output
             q, k, v = (qkv if qkv is not None else self.qkv_proj(x)).split(
                 [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        T = q.shape[0]
         return (q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D),
                 v.view(T, self.num_kv_heads, D))
 
-    def forward(self, x: torch.Tensor | None, meta: ForwardMetadata, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 qkv: torch.Tensor | None = None, add: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim];
         rope: `rope_tables(meta)` of the forward (computed here when None); qkv: the packed
-        q / k / v projection of x when the caller computed it (together with Mamba's in_proj,
-        or with the norm: `input_projection`); x is then not read (None). `add` [T, hidden]:
-        returned added to the output (Falcon-H1's Mamba output; o_proj's launch adds it)."""
+        q / k / v projection of x when the layer computed it together with Mamba's in_proj;
+        add [T, hidden]: returned added to the output (Falcon-H1's Mamba output), by o_proj's
+        own launch where o_proj is a plain projection."""
+        T = x.shape[0]
         q, k, v = self._qkv(x, qkv)
-        T = q.shape[0]
         if self.key_multiplier != 1.0:  # unfolded (tests); fold_scales moves it into k's rows
             k = k * self.key_multiplier
         if self.rope_theta is not None:

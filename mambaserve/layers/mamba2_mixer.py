@@ -1,7 +1,6 @@
 """Mamba2 mixer: in_proj -> [z | xBC | dt] -> causal conv1d -> SSD scan / state update ->
-gated RMSNorm -> out_proj (the last two one launch for decode-sized batches:
-`ops.linear.gated_rmsnorm_linear`). Prefill rows (first) and decode rows (last) of one flat batch
-take different ops; both read and write the layer's slice of the state pool in place.
+gated RMSNorm -> out_proj. Prefill rows (first) and decode rows (last) of one flat batch take
+different ops; both read and write the layer's slice of the state pool in place.
 
 Family options (ModelConfig): in_proj / out_proj biases, per-segment multipliers of the in_proj
 output (Falcon-H1's ssm_multipliers on z, x, B, C, dt; `fold_scales` folds them into in_proj at
@@ -22,8 +21,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_or_replicate_range,
     shard_range,
 )
-from mambaserve.layers.linear import Linear, is_plain_linear
-from mambaserve.layers.norm import Projection
+from mambaserve.layers.linear import Linear
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -33,7 +31,6 @@ from mambaserve.ops.gated_rmsnorm import (
     gated_rmsnorm_ref,
     gated_silu,
 )
-from mambaserve.ops.linear import gated_rmsnorm_linear
 from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 from mambaserve.ops.state_snapshot import (
@@ -145,29 +142,22 @@ class Mamba2Mixer(nn.Module):
         self.segment_multipliers = [1.0] * 5
         self.proj_multipliers = []
 
-    def input_projection(self) -> Projection | None:
-        """in_proj's (weight, bias), which a caller may apply with the norm before it and hand
-        to `forward` as `zxbcdt`; None when it is not a plain projection (FP8) or is packed."""
-        p = self.in_proj
-        return (p.weight, p.bias) if p is not None and is_plain_linear(p) else None
-
-    def forward(self, x: torch.Tensor | None, meta: ForwardMetadata, conv_state: torch.Tensor,
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor, zxbcdt: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden]; conv_state: [slots + 1, K-1, conv_dim]; ssm_state: [slots + 1, H, P, N].
-        `zxbcdt`: in_proj(x) when the caller computed it (in a packed projection, in_proj is then
-        None: `DecoderLayer.pack_mixer_inputs`; or with the norm, `input_projection`); x is then
-        not read (None)."""
+        `zxbcdt`: in_proj(x) when the layer computed it in a packed projection (in_proj is then
+        None: `DecoderLayer.pack_mixer_inputs`)."""
+        T = x.shape[0]
         Tp = meta.num_prefill_tokens
         G, N, H, P = self.n_groups, self.state_size, self.num_heads, self.head_dim
         if zxbcdt is None:
             zxbcdt = self.in_proj(x)
-        T = zxbcdt.shape[0]
         for start, end, m in self.proj_multipliers:  # in place on in_proj's fresh output
             zxbcdt[:, start:end].mul_(m)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = self.decay_rates()
         # mixed batches assemble y from both paths; single-kind batches use that path's output
-        y = torch.empty(T, H, P, dtype=zxbcdt.dtype, device=zxbcdt.device) \
+        y = torch.empty(T, H, P, dtype=x.dtype, device=x.device) \
             if meta.num_prefills and meta.num_decodes else None
 
         pf = meta.prefill
@@ -208,14 +198,7 @@ class Mamba2Mixer(nn.Module):
                 save_decode_snapshots(conv_state, ssm_state, meta.decode_state_slots,
                                       meta.decode_snap_dst)
 
-        y = y.reshape(T, self.d_inner)
-        if self.norm_kind != "none" and self.norm_span is None and is_plain_linear(self.out_proj):
-            # the gated norm and out_proj in one launch for decode-sized batches
-            return gated_rmsnorm_linear(
-                y, z, self.norm_weight, self.d_inner // self.n_groups, self.norm_eps,
-                self.norm_kind == "norm_then_gate", self.out_proj.weight, self.out_proj.bias,
-                weight_fp32=self.norm_weight_fp32)
-        return self.out_proj(self._gated_norm(y, z))
+        return self.out_proj(self._gated_norm(y.reshape(T, self.d_inner), z))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.norm_kind == "none":  # Falcon-H1 without the norm: y * silu(z), Triton on CUDA

@@ -15,7 +15,6 @@ from mambaserve.distributed.parallel_modules import (
     shard_range,
 )
 from mambaserve.layers.linear import Linear, is_plain_linear
-from mambaserve.layers.norm import Projection
 from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.ops.activation import relu2, silu_mul  # one Triton pass each on CUDA
 from mambaserve.ops.fp8_matmul import FP8_DTYPE, fp8_linear, quantize_weight_fp8
@@ -42,17 +41,9 @@ class MLP(nn.Module):
         """Once after loading: fold a scale of the output into down_proj (layers/scaling.py)."""
         scale_linear_(self.down_proj, out_scale)
 
-    def input_projection(self) -> Projection | None:
-        """up_proj's (weight, bias) when plain (not FP8): see `forward`'s `up`."""
-        p = self.up_proj
-        return (p.weight, p.bias) if is_plain_linear(p) else None
-
-    def forward(self, x: torch.Tensor | None, up: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden]; or `up`: up_proj(x), computed by the caller (x is then not read)."""
-        if up is None:
-            up = self.up_proj(x)
-        d = self.down_proj
-        if is_plain_linear(d):  # relu² and down in one launch for decode-sized batches
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, d = self.up_proj(x), self.down_proj
+        if is_plain_linear(d):  # relu² in down's launch for decode-sized batches
             return act_linear(up, "relu2", d.weight, d.bias)
         return d(relu2(up))
 
@@ -127,32 +118,20 @@ class GatedMLP(nn.Module):
         scale_linear_(self.down_proj, self.down_multiplier * out_scale)
         self.gate_multiplier = self.down_multiplier = 1.0
 
-    def input_projection(self) -> Projection | None:
-        """The gate|up stack as one projection's (weight [2I, hidden], bias) when not FP8: see
-        `forward`'s `gate_up`."""
-        if self.gate_up_weight_scale is not None:
-            return None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         I = self.intermediate_size
         bias = None if self.gate_up_bias is None else self.gate_up_bias.view(2 * I)
-        return self.gate_up_weight.view(2 * I, -1), bias
-
-    def forward(self, x: torch.Tensor | None, gate_up: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """x [T, hidden]; or `gate_up`: the stack's projection of x, computed by the caller (x
-        is then not read)."""
-        I = self.intermediate_size
-        if gate_up is None and self.gate_up_weight_scale is not None:
-            bias = None if self.gate_up_bias is None else self.gate_up_bias.view(2 * I)
-            gate_up = fp8_linear(x, self.gate_up_weight.view(2 * I, -1),
-                                 self.gate_up_weight_scale.view(2 * I),
+        w = self.gate_up_weight.view(2 * I, -1)
+        if self.gate_up_weight_scale is not None:
+            gate_up = fp8_linear(x, w, self.gate_up_weight_scale.view(2 * I),
                                  self.gate_up_input_scale, bias)
-        elif gate_up is None:
-            gate_up = linear(x, *self.input_projection())
+        else:
+            gate_up = linear(x, w, bias)
         d = self.down_proj
         if self.gate_multiplier != 1.0:  # unfolded (tests): the torch expression
             gate, up = gate_up.split(I, dim=-1)
             out = d(F.silu(gate * self.gate_multiplier) * up)
-        elif is_plain_linear(d):  # silu(gate) * up and down in one launch for decode batches
+        elif is_plain_linear(d):  # silu(gate) * up in down's launch for decode-sized batches
             out = act_linear(gate_up, "silu_mul", d.weight, d.bias)
         else:
             out = d(silu_mul(gate_up))  # one Triton pass on CUDA

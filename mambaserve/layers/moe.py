@@ -141,11 +141,6 @@ class MoE(nn.Module):
         scale_(self.experts_down, out_scale)
         self.shared_experts.fold_scales(out_scale)
 
-    def input_projection(self) -> None:
-        """None: the router and the experts both read the normalized rows (no one projection
-        to apply with the norm)."""
-        return None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             ids, weights = self.router(x)

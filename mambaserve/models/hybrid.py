@@ -22,11 +22,11 @@ from torch import nn
 
 from mambaserve.config import ModelConfig
 from mambaserve.layers.attention import Attention
-from mambaserve.layers.linear import Linear, is_plain_linear
+from mambaserve.layers.linear import Linear
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.moe import MoE
-from mambaserve.layers.norm import Projection, RMSNorm
+from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.layers.stacked_linear import stacked_linear
 from mambaserve.metadata import ForwardMetadata
@@ -93,20 +93,6 @@ class DecoderLayer(nn.Module):
             self.mamba.in_proj = self.self_attn.qkv_proj = None  # their rows live in mixer_in
 
 
-    def mixer_projection(self, mult: Multipliers) -> Projection | None:
-        """The one projection that reads the normed input of the mixer sub-block, which the
-        decoder applies with the norm (`RMSNorm.project`): the packed input of both mixers, or
-        the one mixer's; None when none (separate q / k / v, FP8) or a multiplier of the mixer's
-        input is still applied in the forward."""
-        if self.mixer_in is not None:
-            return self.mixer_in.weight, self.mixer_in.bias
-        if self.spec.mamba and not self.spec.attention and mult.ssm_in == 1.0:
-            return self.mamba.input_projection()
-        if self.spec.attention and not self.spec.mamba and mult.attention_in == 1.0:
-            return self.self_attn.input_projection()
-        return None
-
-
 class HybridForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -156,22 +142,14 @@ class HybridForCausalLM(nn.Module):
             scale_linear_(self.lm_head, m.logits)
         self.multipliers = Multipliers()
 
-    def _norm(self, norm: RMSNorm, h: torch.Tensor, pending: torch.Tensor | None,
-              proj: Projection | None) -> tuple[torch.Tensor | None, torch.Tensor | None,
-                                                torch.Tensor]:
-        """h += pending (the previous sub-block's output), then x = norm(h): one pass when fused;
-        with `proj`, its projection of x instead of x (`RMSNorm.project`). Returns (x or None,
-        the projection or None, h)."""
+    def _norm(self, norm: RMSNorm, h: torch.Tensor, pending: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h += pending (the previous sub-block's output), then norm(h): one pass when fused."""
         if pending is None:
-            x = h.to(self.embed_tokens.weight.dtype)
-            return (norm(x), None, h) if proj is None else (None, norm.project(x, proj), h)
+            return norm(h.to(self.embed_tokens.weight.dtype)), h
         # residual_in_fp32: h is float32 and the fused norm normalizes h + pending rounded to the
         # model dtype (ops/rmsnorm.py), as norm((h + pending).to(dtype)) would
-        if proj is None:
-            x, h = norm(pending, h)
-            return x, None, h
-        y, h = norm.project(pending, proj, h)
-        return None, y, h
+        return norm(pending, h)
 
     def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
                 ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
@@ -193,23 +171,20 @@ class HybridForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             spec = layer.spec
             if spec.has_mixer:
-                x, pre, h = self._norm(layer.input_layernorm, h, pending,
-                                       layer.mixer_projection(mult))
+                x, h = self._norm(layer.input_layernorm, h, pending)
                 out = None
                 zxbcdt = qkv = None
                 if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
-                    zxbcdt, qkv = pre.split(layer.mixer_in_split, dim=-1)
-                elif pre is not None:  # the one mixer's input projection, with the norm
-                    zxbcdt, qkv = (pre, None) if spec.mamba else (None, pre)
+                    zxbcdt, qkv = layer.mixer_in(x).split(layer.mixer_in_split, dim=-1)
                 if spec.mamba:
                     n = self.mamba_index[i]
-                    xm = x * mult.ssm_in if mult.ssm_in != 1.0 else x  # (no `pre` then)
+                    xm = x * mult.ssm_in if mult.ssm_in != 1.0 else x
                     out = layer.mamba(xm, meta, conv_state[n], ssm_state[n], zxbcdt)
                     if mult.ssm_out != 1.0:
                         out = out * mult.ssm_out
                 if spec.attention:
                     xa = x * mult.attention_in if mult.attention_in != 1.0 else x
-                    # both mixers: o_proj adds the Mamba output (no launch of its own)
+                    # both mixers: o_proj's launch adds the Mamba output (no add of its own)
                     add = out if mult.attention_out == 1.0 else None
                     a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]], rope, qkv,
                                         add)
@@ -218,19 +193,12 @@ class HybridForCausalLM(nn.Module):
                     out = a if out is None or add is not None else out + a
                 pending = out * mult.residual if mult.residual != 1.0 else out
             if spec.ffn is not FFNKind.NONE:
-                proj = layer.feed_forward.input_projection()
-                x, pre, h = self._norm(layer.pre_ff_layernorm, h, pending, proj)
-                out = layer.feed_forward(x) if pre is None else layer.feed_forward(x, pre)
+                x, h = self._norm(layer.pre_ff_layernorm, h, pending)
+                out = layer.feed_forward(x)
                 pending = out * mult.residual if mult.residual != 1.0 else out
-        # only the rows whose logits are needed take the last add, the final norm and lm_head
-        # (the three in one launch for decode batches where lm_head is plain and h is not
-        # float32 beside a 16-bit model: that norm reads the float32 sum unrounded)
-        h, pending = h.index_select(0, meta.logits_idx), pending.index_select(0, meta.logits_idx)
-        if is_plain_linear(self.lm_head) and h.dtype == pending.dtype:
-            logits, _ = self.final_layernorm.project(
-                pending, (self.lm_head.weight, self.lm_head.bias), h)
-        else:
-            logits = self.lm_head(self.final_layernorm(h + pending).to(self.lm_head.weight.dtype))
+        # only the rows whose logits are needed take the last add and the final norm
+        h = h.index_select(0, meta.logits_idx) + pending.index_select(0, meta.logits_idx)
+        logits = self.lm_head(self.final_layernorm(h).to(self.lm_head.weight.dtype))
         if mult.logits != 1.0:
             logits = logits * mult.logits
         return logits.float()

@@ -11,7 +11,7 @@ from torch import nn
 
 from mambaserve.config import LayerKind, ModelConfig
 from mambaserve.layers.attention import Attention
-from mambaserve.layers.linear import Linear, is_plain_linear
+from mambaserve.layers.linear import Linear
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP
 from mambaserve.layers.moe import MoE
@@ -69,35 +69,20 @@ class NemotronHForCausalLM(nn.Module):
         h = self.embeddings(meta.input_ids)  # the residual stream
         out = None  # the previous block's mixer output, not yet added to h
         for i, block in enumerate(self.layers):
-            # the mixer's input projection, applied here with the norm (one launch for decode
-            # batches, `RMSNorm.project`) where the mixer has one; x is then None
-            proj = block.mixer.input_projection()
-            x = pre = None
             if out is None:
-                if proj is None:
-                    x = block.norm(h)
-                else:
-                    pre = block.norm.project(h, proj)
-            elif proj is None:  # h = h + out; x = norm(h), in one pass (two torch ops' rounding)
+                x = block.norm(h)
+            else:  # h = h + out; x = norm(h), in one pass (the same rounding as two torch ops)
                 x, h = block.norm(out, h)
-            else:
-                pre, h = block.norm.project(out, proj, h)
             if block.kind is LayerKind.MAMBA:
                 n = self.mamba_index[i]
-                out = block.mixer(x, meta, conv_state[n], ssm_state[n], pre)
+                out = block.mixer(x, meta, conv_state[n], ssm_state[n])
             elif block.kind is LayerKind.ATTENTION:
-                out = block.mixer(x, meta, kv_cache[self.attention_index[i]], qkv=pre)
-            elif block.kind is LayerKind.MLP:
-                out = block.mixer(x, pre)
+                out = block.mixer(x, meta, kv_cache[self.attention_index[i]])
             else:
                 out = block.mixer(x)
-        # only the rows whose logits are needed take the last add, the final norm and lm_head
-        # (the three in one launch for decode batches where lm_head is a plain projection)
-        h, out = h.index_select(0, meta.logits_idx), out.index_select(0, meta.logits_idx)
-        if is_plain_linear(self.lm_head):
-            logits, _ = self.norm_f.project(out, (self.lm_head.weight, self.lm_head.bias), h)
-            return logits.float()
-        return self.lm_head(self.norm_f(h + out)).float()
+        # only the rows whose logits are needed take the last add and the final norm
+        h = h.index_select(0, meta.logits_idx) + out.index_select(0, meta.logits_idx)
+        return self.lm_head(self.norm_f(h)).float()
 
 
 # checkpoint name (without prefix) -> (parameter name, expert index or None, transform)

@@ -72,16 +72,6 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return 1 <= rows <= tuning.config("gemv", x.device)["max_m"]
 
 
-def _norm_gemv_ok(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    # the few-rows linear's condition, a residual stream of the activations' dtype
-    return _gemv_ok(x, weight) and (residual is None or residual.dtype == x.dtype)
-
-
-def _gated_norm_gemv_ok(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> bool:
-    # the few-rows linear's condition, norm groups of whole 16-channel steps
-    return _gemv_ok(x, weight) and group_size % 16 == 0
-
-
 def _act_gemv_ok(x: torch.Tensor, act: str, weight: torch.Tensor) -> bool:
     # the few-rows linear's condition on the activation's output (silu_mul halves the width)
     if act == "silu_mul" and x.shape[-1] % 2:
@@ -130,12 +120,7 @@ CONDITIONS: dict[str, Condition | None] = {
                       "float32 models, more rows than tuning gemv.max_m and weights that are "
                       "not a plain [N, K] matrix of the activations' dtype"),
     # the same kernel with a decode block's norm (and residual add) or MLP activation first
-    "rms_norm_linear": Condition(("x", "weight", "residual"), _norm_gemv_ok,
-                                 "what `gemv` refuses, and a float32 residual stream beside "
-                                 "16-bit activations"),
-    "gated_rmsnorm_linear": Condition(("x", "weight", "group_size"), _gated_norm_gemv_ok,
-                                      "what `gemv` refuses, and norm groups that are not a "
-                                      "multiple of 16 channels"),
+    # the same kernel with an MLP activation applied to x as it loads it
     "act_linear": Condition(("x", "act", "weight"), _act_gemv_ok, "what `gemv` refuses"),
     # FP8: Triton's float8e4nv conversion and cuBLASLt's FP8 GEMM need compute capability 8.9
     "fp8_quant": Condition(("device",), lambda device: fp8_capable(device),

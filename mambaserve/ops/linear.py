@@ -8,21 +8,15 @@ where cuBLAS's GEMV kernels do not (docs/kernels.md, "Few-rows linear"); everyth
 `torch.nn.functional.linear` (cuBLAS on a GPU), which is also the reference the kernel is tested
 against. No path syncs or branches on tensor values.
 
-Two fused forms for the same few rows, each one launch of that kernel where two ran (elsewhere the
-two public ops they stand for):
+Two more forms for the same few rows (elsewhere the public ops they stand for):
 
-    rms_norm_linear(x, norm_weight, eps, weight, bias=None, residual=None)
-        linear(rms_norm(x, norm_weight, eps[, residual]), weight, bias) -> y, or (y, s) with the
-        residual stream s = residual + x: a decoder block's norm and the projection that reads
-        it. The kernel does not round the normalized rows to the dtype before the product (the
-        two-launch path does): results agree to the dtype's rounding, not bit for bit.
-    gated_rmsnorm_linear(y, z, norm_weight, group_size, eps, norm_before_gate, weight, bias=None,
-                         weight_fp32=False)
-        linear(gated_rmsnorm(y, z, ...), weight, bias): the Mamba mixer's gated norm and its
-        out_proj; likewise not rounded before the product (`weight_fp32` only matters there).
-    act_linear(x, act, weight, bias=None)
-        linear(act(x), weight, bias), act "relu2" or "silu_mul": an MLP's activation and its down
-        projection; the kernel rounds the activation as `ops/activation.py` does.
+    linear(x, weight, bias, add=t): linear(x, weight, bias) + t, added in the kernel's epilogue
+        with torch's rounding (bit for bit the two ops);
+    act_linear(x, act, weight, bias=None): linear(act(x), weight, bias), act "relu2" or
+        "silu_mul" (an MLP's activation and its down projection): the activation applied to x
+        as the kernel loads it, rounded as `ops/activation.py` rounds it, where the launch runs
+        on CUDA cores (one or two rows of the out_proj / down shapes); on tensor cores it is
+        the activation kernel and the plain launch (an activated operand stalls their pipeline).
 """
 
 from __future__ import annotations
@@ -32,8 +26,6 @@ import torch.nn.functional as F
 
 from mambaserve.ops.activation import relu2, silu_mul
 from mambaserve.ops.dispatch import kernel_path
-from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
-from mambaserve.ops.rmsnorm import rms_norm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -54,38 +46,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None
-                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [T, K]; see the module docstring."""
-    if kernel_path("rms_norm_linear", x.device, x=x, weight=weight,
-                   residual=residual) == "triton":
-        from mambaserve.ops.triton.gemv import rms_norm_gemv_triton
-
-        return rms_norm_gemv_triton(_rows(x), norm_weight, eps, weight, bias,
-                                    None if residual is None else _rows(residual))
-    if residual is None:
-        return linear(rms_norm(x, norm_weight, eps), weight, bias)
-    normed, s = rms_norm(x, norm_weight, eps, residual)
-    return linear(normed, weight, bias), s
-
-
-def gated_rmsnorm_linear(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
-                         group_size: int, eps: float, norm_before_gate: bool,
-                         weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         weight_fp32: bool = False) -> torch.Tensor:
-    """y, z: [T, D]; see the module docstring."""
-    if kernel_path("gated_rmsnorm_linear", y.device, x=y, weight=weight,
-                   group_size=group_size) == "triton":
-        from mambaserve.ops.triton.gemv import gated_norm_gemv_triton
-
-        return gated_norm_gemv_triton(_rows(y), _rows(z), norm_weight, group_size, eps,
-                                      norm_before_gate, weight, bias)
-    return linear(gated_rmsnorm(y, z, norm_weight, group_size, eps, norm_before_gate,
-                                weight_fp32), weight, bias)
 
 
 _ACTIVATIONS = {"relu2": relu2, "silu_mul": silu_mul}

@@ -19,15 +19,9 @@ counter back to 0. The counters (one int32 per column block) live in a per-devic
 zeroed once and left zeroed by every launch; launches that use it must not run concurrently
 (the engine's forward runs on one stream).
 
-Fused launches (decode: one kernel where two ran): the x rows may first be
-- normalized (`rms_norm_gemv_triton`, RMSNorm of the row, after the residual add with a
-  residual): the norm weight multiplies each x element in float32 before the product, each
-  program sums the squares of its part of the rows, and the rows' 1 / rms scales the float32
-  result in the epilogue (after the split-K reduction, from the parts' sums of squares stored
-  beside the partials), so no program needs the whole row before its first weight load; the
-  column block 0 programs store the residual stream s = r + x;
-- activated (`act_gemv_triton`: squared ReLU, or SwiGLU's silu(gate) * up), with the roundings of
-  `ops/activation.py`.
+Two extras (constexpr, compiled out otherwise): an MLP activation applied to the x tile as it
+is loaded (`act_gemv_triton`, the CUDA-core launch only), and an addend added to the rounded
+result in the epilogue (`gemv_triton(..., add=)`), each with torch's roundings.
 
 Launch parameters: `tuning` entry "gemv" (`launch_plan` resolves its None knobs). No host sync,
 no value-dependent branch on the host: CUDA-graph capturable.
@@ -41,93 +35,20 @@ import triton.language as tl
 
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import num_sms, pow2
+from mambaserve.ops.triton.activation import relu2_triton, silu_mul_triton
 
 MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any split launch)
 
 
-# `ACT`: the activation a launch applies to its x rows first (none, squared ReLU, SwiGLU)
-ACTIVATIONS = {None: 0, "relu2": 1, "silu_mul": 2}
-
-
-@triton.jit
-def _k_steps(acc, sq, k_from, k_to, w_tile, x_tile, r_tile, s_tile, z_tile, nw_ptr, ks, K,
-             row_ok, col_ok, write_s, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-             IEEE: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-             GATE: tl.constexpr, ACT: tl.constexpr, BLOCK_K: tl.constexpr,
-             NUM_STAGES: tl.constexpr):
-    """The product's K steps [k_from, k_to): each loads its weight tile and x tile, transforms the
-    x tile (residual add, norm weight and gate, activation), accumulates; returns (acc, sq)."""
-    for k0 in tl.range(k_from, k_to, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:  # every step full: masks on the rows / columns only (vector loads along K)
-            w = tl.load(w_tile + k0, mask=col_ok[:, None], other=0.0)
-            x_ok = row_ok[:, None]
-        else:
-            k_ok = (k0 + ks) < k_to
-            w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x_ok = row_ok[:, None] & k_ok[None, :]
-        xv = tl.load(x_tile + k0, mask=x_ok, other=0.0)
-        if HAS_RES:  # the add as torch does it: float32, one rounding to the dtype
-            rv = tl.load(r_tile + k0, mask=x_ok, other=0.0)
-            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(x_tile.dtype.element_ty)
-            tl.store(s_tile + k0, xv, mask=x_ok & write_s)
-        if NORM:
-            if EVEN_K:
-                nw = tl.load(nw_ptr + k0 + ks).to(tl.float32)[None, :]
-            else:
-                nw = tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            xf = xv.to(tl.float32)
-            if GATE == 0:  # RMSNorm
-                sq += xf * xf
-                xf = xf * nw
-            else:  # the Mamba gate silu(z), before (1) or after (2) the norm's statistics
-                zf = tl.load(z_tile + k0, mask=x_ok, other=0.0).to(tl.float32)
-                gate = zf / (1.0 + tl.exp(-zf))
-                if GATE == 1:
-                    xf = xf * gate
-                    sq += xf * xf
-                    xf = xf * nw
-                else:
-                    sq += xf * xf
-                    xf = xf * nw * gate
-            if USE_DOT:  # the tensor cores take the weight's dtype
-                xv = xf.to(w_tile.dtype.element_ty)
-            else:
-                xv = xf
-        if ACT == 1:  # squared in float32, one rounding (ops/activation.py)
-            xf = tl.maximum(xv.to(tl.float32), 0.0)
-            xv = (xf * xf).to(x_tile.dtype.element_ty)
-        if ACT == 2:  # x holds [gate | up]; silu rounded, then the product rounded
-            up = tl.load(x_tile + K + k0, mask=x_ok, other=0.0).to(tl.float32)
-            g = xv.to(tl.float32)
-            sg = (g / (1.0 + tl.exp(-g))).to(x_tile.dtype.element_ty).to(tl.float32)
-            xv = (sg * up).to(x_tile.dtype.element_ty)
-        if USE_DOT:
-            if IEEE:
-                acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(xv), acc)
-        else:
-            acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
-    return acc, sq
-
-
-@triton.jit
-def _rows_by_cols(acc, USE_DOT: tl.constexpr):
-    """The accumulator as [BLOCK_M, BLOCK_N] float32 sums."""
-    if USE_DOT:
-        return tl.trans(acc)
-    else:
-        return tl.sum(acc, axis=2)
+# `ACT`: the activation a launch applies to its x rows as it loads them (0: none)
+ACTIVATIONS = {"relu2": 1, "silu_mul": 2}
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, s_ptr, sq_ptr,
-                 z_ptr, add_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_zm,
-                 stride_am, k_per_split, split_k, eps, group,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                 HAS_RES: tl.constexpr, GATE: tl.constexpr, GROUPED: tl.constexpr,
-                 SCALE_AT_END: tl.constexpr, ACT: tl.constexpr, HAS_ADD: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K, stride_xm,
+                 stride_wn, stride_ym, stride_am, k_per_split, split_k, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+                 IEEE: tl.constexpr, ACT: tl.constexpr, HAS_ADD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -141,51 +62,51 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, s
     k_hi = tl.minimum(K, k_lo + k_per_split)
     w_tile = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    # unused pointers of a launch point at x (their constexpr branches are compiled out)
-    r_tile = r_ptr + rows[:, None].to(tl.int64) * stride_rm + ks[None, :]
-    s_tile = s_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
-    z_tile = z_ptr + rows[:, None].to(tl.int64) * stride_zm + ks[None, :]
-    write_s = pid_n == 0  # one column block stores the residual stream
-    if NORM:
-        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # the rows' sums of squares
-    else:
-        sq = tl.zeros([1, 1], dtype=tl.float32)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if GROUPED:  # norm groups of `group` channels, whole in this part of K: each scaled here
-        y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for g0 in range(k_lo, k_hi, group):
-            acc_g, sq_g = _k_steps(acc, sq, g0, g0 + group, w_tile, x_tile, r_tile, s_tile,
-                                   z_tile, nw_ptr, ks, K, row_ok, col_ok, write_s, EVEN_K,
-                                   USE_DOT, IEEE, NORM, HAS_RES, GATE, ACT, BLOCK_K, NUM_STAGES)
-            rstd = tl.rsqrt(tl.sum(sq_g, axis=1) / group + eps)
-            y += _rows_by_cols(acc_g, USE_DOT) * rstd[:, None]
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:  # every step full: masks on the rows / columns only (vector loads along K)
+            w = tl.load(w_tile + k0, mask=col_ok[:, None], other=0.0)
+            x_ok = row_ok[:, None]
+        else:
+            k_ok = (k0 + ks) < k_hi
+            w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x_ok = row_ok[:, None] & k_ok[None, :]
+        xv = tl.load(x_tile + k0, mask=x_ok, other=0.0)
+        if ACT == 1:  # squared in float32, one rounding (ops/activation.py)
+            xf = tl.maximum(xv.to(tl.float32), 0.0)
+            xv = (xf * xf).to(x_ptr.dtype.element_ty)
+        if ACT == 2:  # x holds [gate | up]; silu rounded, then the product rounded
+            up = tl.load(x_tile + K + k0, mask=x_ok, other=0.0).to(tl.float32)
+            g = xv.to(tl.float32)
+            sg = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            xv = (sg * up).to(x_ptr.dtype.element_ty)
+        if USE_DOT:
+            if IEEE:
+                acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(xv), acc)
+        else:
+            acc3 += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
+    if USE_DOT:
+        y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
-        acc, sq = _k_steps(acc, sq, k_lo, k_hi, w_tile, x_tile, r_tile, s_tile, z_tile, nw_ptr,
-                           ks, K, row_ok, col_ok, write_s, EVEN_K, USE_DOT, IEEE, NORM, HAS_RES,
-                           GATE, ACT, BLOCK_K, NUM_STAGES)
-        y = _rows_by_cols(acc, USE_DOT)
-    if SCALE_AT_END:  # a norm of the whole row (NORM, not GROUPED): its 1 / rms scales the end
-        ssq = tl.sum(sq, axis=1)  # [BLOCK_M]: this program's part of K
+        y = tl.sum(acc3, axis=2)
     out_mask = row_ok[:, None] & col_ok[None, :]
     out_offs = rows[:, None] * stride_ym + cols[None, :]
+    add_offs = rows[:, None] * stride_am + cols[None, :]
     if not SPLIT:
-        if SCALE_AT_END:
-            y = y * tl.rsqrt(ssq / K + eps)[:, None]
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_ADD:  # rounded, then added as torch adds two tensors of the dtype
             y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
-                add_ptr + rows[:, None] * stride_am + cols[None, :], mask=out_mask,
-                other=0.0).to(tl.float32)
+                add_ptr + add_offs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
         part_offs = rows[:, None] * N + cols[None, :]
         tl.store(part_ptr + pid_k * M * N + part_offs, y, mask=out_mask)
-        if SCALE_AT_END:  # per (part, column block): the reducing program reads its own block's
-            tl.store(sq_ptr + (pid_k * tl.num_programs(0) + pid_n) * BLOCK_M + rows, ssq)
         tl.debug_barrier()  # every thread's partial stored before the arrival is counted
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:  # the last of the column block's parts: reduce in order
@@ -193,18 +114,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, s
             for s in range(split_k):
                 total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
-            if SCALE_AT_END:
-                tsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for s in range(split_k):
-                    tsq += tl.load(sq_ptr + (s * tl.num_programs(0) + pid_n) * BLOCK_M + rows,
-                                   cache_modifier=".cg")
-                total = total * tl.rsqrt(tsq / K + eps)[:, None]
             if HAS_BIAS:
                 total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             if HAS_ADD:
                 total = total.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
-                    add_ptr + rows[:, None] * stride_am + cols[None, :], mask=out_mask,
-                    other=0.0).to(tl.float32)
+                    add_ptr + add_offs, mask=out_mask, other=0.0).to(tl.float32)
             tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
@@ -221,7 +135,7 @@ def _counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def launch_plan(M: int, N: int, K: int, device, group: int | None = None) -> dict:
+def launch_plan(M: int, N: int, K: int, device) -> dict:
     """The launch of an [M, K] x [N, K]^T product on `device`: the tuning entry "gemv" with its
     None knobs resolved. Rules (None), from `scripts/gemv_sweep.py` on an H200 (docs/kernels.md):
       use_dot: FMAs for one or two rows of a product with N <= 3 K (the out_proj / down shapes,
@@ -232,10 +146,7 @@ def launch_plan(M: int, N: int, K: int, device, group: int | None = None) -> dic
                with tensor cores 128; at most pow2(K) either way;
       split_k: with FMAs 1 (more column blocks beat K splits); with tensor cores doubled from 1
                while the programs are fewer than 2 per SM, each part keeps at least 8 K steps,
-               and split_k < 16.
-    `group`: norm groups of that many channels (K a multiple of it), scaled inside the programs
-    (`gated_norm_gemv_triton`): block_k divides the group and each part of K holds whole
-    groups."""
+               and split_k < 16."""
     cfg = tuning.config("gemv", device)
     sms = num_sms(torch.device(device))
     use_dot = cfg["use_dot"]
@@ -249,8 +160,6 @@ def launch_plan(M: int, N: int, K: int, device, group: int | None = None) -> dic
     if block_k is None:
         block_k = 128 if use_dot else max(32, 2048 // (block_n * block_m))
     block_k = min(block_k, max(16, pow2(K)))
-    if group is not None:
-        block_k = min(block_k, group & -group)  # the largest power of two dividing the group
     split_k = cfg["split_k"]
     blocks = triton.cdiv(N, block_n)
     if split_k is None:
@@ -258,8 +167,7 @@ def launch_plan(M: int, N: int, K: int, device, group: int | None = None) -> dic
         while (use_dot and blocks * split_k < 2 * sms and split_k < 16
                and triton.cdiv(K, block_k) >= 8 * split_k):
             split_k *= 2
-    step = block_k if group is None else group
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), step) * step
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty part
     return {"use_dot": bool(use_dot), "block_m": block_m, "block_n": block_n,
             "block_k": block_k, "split_k": split_k, "k_per_split": k_per_split,
@@ -279,57 +187,26 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def act_gemv_triton(x: torch.Tensor, act: str, weight: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(act(x), weight, bias) in one launch, act "relu2" (x [M, K]) or "silu_mul" (x [M,
-    2K] = [gate | up]): the activation rounded to x.dtype exactly as `ops/activation.py` rounds
-    it, so the product reads the same values the two-launch path would."""
+    """linear(act(x), weight, bias), act "relu2" (x [M, K]) or "silu_mul" (x [M, 2K] = [gate |
+    up]), the activation rounded to x.dtype exactly as `ops/activation.py` rounds it: one launch
+    that activates x as it loads it when the plan runs on CUDA cores; on tensor cores the
+    activation's own kernel, then the plain launch (a tensor-core operand computed in registers
+    leaves the operand pipeline: 2-4x slower on an H200, docs/kernels.md)."""
     assert act in ("relu2", "silu_mul"), act
+    assert x.dim() == 2, x.shape
     K = x.shape[1] // 2 if act == "silu_mul" else x.shape[1]
+    if launch_plan(x.shape[0], weight.shape[0], K, x.device)["use_dot"]:
+        x = _two_launch_activation(x, act)
+        return _launch(x, weight, bias, K)
     return _launch(x, weight, bias, K, act=ACTIVATIONS[act])
 
 
-def rms_norm_gemv_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         residual: torch.Tensor | None = None
-                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """linear(rms_norm(x, norm_weight, eps[, residual]), weight, bias) in one launch (the
-    contract of `ops.linear.rms_norm_linear`): with `residual` (x's dtype and shape) s =
-    residual + x rounded to the dtype is what is normalized, stored by the programs of column
-    block 0 and returned as (y, s). Each program multiplies its x elements by the norm weight in
-    float32 and accumulates the rows' sums of squares over its part of K; the rows' 1 / rms
-    scales the float32 products in the epilogue (after the split-K reduction). So the normalized
-    rows are never rounded to the dtype (the two-launch path rounds them once)."""
-    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous(), norm_weight.shape
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape,
-                                                                         residual.dtype)
-        assert residual.stride(-1) == 1, "rms_norm_gemv_triton takes [M, K] residual rows"
-        s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        return _launch(x, weight, bias, x.shape[1], norm=(norm_weight, eps),
-                       residual=(residual, s)), s
-    return _launch(x, weight, bias, x.shape[1], norm=(norm_weight, eps))
+def _two_launch_activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    x = x.contiguous()
+    return relu2_triton(x) if act == "relu2" else silu_mul_triton(x)
 
 
-def gated_norm_gemv_triton(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
-                           group_size: int, eps: float, norm_before_gate: bool,
-                           weight: torch.Tensor, bias: torch.Tensor | None = None
-                           ) -> torch.Tensor:
-    """linear(gated_rmsnorm(y, z, norm_weight, group_size, eps, norm_before_gate), weight, bias)
-    in one launch (`ops.linear.gated_rmsnorm_linear`): the Mamba mixer's gated norm and out_proj.
-    The gate silu(z) and the norm weight multiply each element in float32; one group (the whole
-    row) is scaled by its 1 / rms in the epilogue as `rms_norm_gemv_triton` does, several inside
-    each program at the end of each group (each part of K holds whole groups). Nothing is
-    rounded to the dtype before the product (the two-launch path rounds the normalized rows)."""
-    M, K = y.shape
-    assert z.shape == y.shape and z.dtype == y.dtype and z.stride(-1) == 1, (z.shape, z.dtype)
-    assert norm_weight.shape == (K,) and norm_weight.is_contiguous(), norm_weight.shape
-    assert group_size > 0 and K % group_size == 0, (K, group_size)
-    return _launch(y, weight, bias, K, norm=(norm_weight, eps), gate=(z, 2 if norm_before_gate
-                                                                      else 1),
-                   group=group_size if group_size < K else None)
-
-
-def _launch(x, weight, bias, K, norm=None, residual=None, gate=None, group=None, act=0,
-            add=None):
+def _launch(x, weight, bias, K, act=0, add=None):
     assert x.dim() == 2 and x.stride(-1) == 1, "the few-rows launches take [M, K] rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == K
     assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
@@ -340,40 +217,26 @@ def _launch(x, weight, bias, K, norm=None, residual=None, gate=None, group=None,
     if add is not None:
         assert add.shape == (M, N) and add.dtype == x.dtype and add.stride(-1) == 1, add.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    nw, eps = norm if norm is not None else (y, 0.0)
-    r, s = residual if residual is not None else (None, None)
-    z, gate_kind = gate if gate is not None else (None, 0)
     if M == 0 or N == 0:
         return y
     if K == 0:
-        if s is not None:
-            s.copy_(r)  # an empty row's s; the norm of nothing scales nothing
         y.zero_() if bias is None else y.copy_(bias.expand(M, N))
         return y if add is None else y.add_(add)
-    plan = launch_plan(M, N, K, x.device, group)
+    plan = launch_plan(M, N, K, x.device)
     split = plan["split_k"]
     blocks = triton.cdiv(N, plan["block_n"])
-    scale_at_end = norm is not None and group is None
-    sq = y
     if split > 1:
         assert blocks <= MAX_COLUMN_BLOCKS, f"{blocks} column blocks > {MAX_COLUMN_BLOCKS}"
         part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         counters = _counters(x.device)
-        if scale_at_end:
-            sq = torch.empty((split, blocks, plan["block_m"]), dtype=torch.float32,
-                             device=x.device)
     else:
         part = counters = y
     _gemv_kernel[(blocks, split)](
         x, weight, bias if bias is not None else y, y, part, counters,
-        r if r is not None else x, nw, s if s is not None else x, sq,
-        z if z is not None else x, add if add is not None else y, M, N, K, x.stride(0),
-        weight.stride(0), y.stride(0), r.stride(0) if r is not None else 0,
-        z.stride(0) if z is not None else 0, add.stride(0) if add is not None else 0,
-        plan["k_per_split"], split, float(eps), group or K, HAS_BIAS=bias is not None,
-        SPLIT=split > 1, EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
-        IEEE=x.dtype == torch.float32, NORM=norm is not None, HAS_RES=r is not None,
-        GATE=gate_kind, GROUPED=group is not None, SCALE_AT_END=scale_at_end, ACT=act,
+        add if add is not None else y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        add.stride(0) if add is not None else 0, plan["k_per_split"], split,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=plan["even_k"],
+        USE_DOT=plan["use_dot"], IEEE=x.dtype == torch.float32, ACT=act,
         HAS_ADD=add is not None, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
         BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"])
     return y
