@@ -119,8 +119,8 @@ class LLMEngine:
         # prompts past the prefill graphs' largest bucket, so both steps run eagerly (the
         # graphs' kernels were compiled when they were captured)
         graphs = self.runner.prefill_graph_runner
-        longest_graph = graphs.token_buckets[-1] if graphs is not None else 0
-        n = max(1, min(max(self.model_config.chunk_size + 3, 2 * longest_graph + 2),
+        longest_graph = graphs.solo_buckets[-1] if graphs is not None else 0
+        n = max(1, min(max(self.model_config.chunk_size + 3, longest_graph + 2),
                        self.max_model_len - 4, self.config.chunked_prefill_size))
         try:
             self.add_request("__warmup_prefill", {"prompt_token_ids": [0] * n}, p)

@@ -4,7 +4,9 @@ captured once per bucket and replayed.
 
 Design (docs/cuda_graphs.md, "Prefill and mixed steps"):
 - A bucket fixes every host int that sizes a launch: `tokens` prefill tokens (16, 32, ... up to
-  `cuda_graph_max_prefill_tokens`), `decodes` decode rows (0, 1, 2, 4, ... up to a cap), and
+  `cuda_graph_max_prefill_tokens`; prefill-only steps up to `max_solo_tokens`, twice that by
+  default: a lone prompt of that size is bound by the host's launches when run eagerly),
+  `decodes` decode rows (0, 1, 2, 4, ... up to a cap), and
   `rows` = max_prefill_rows + 1 prefill rows, the last always a padding row. From these follow
   the SSD chunk count and chunks per row, the snapshot count, the logit rows (`PrefillBucket`).
 - A step is planned exactly as an eager step (`plan_metadata`), then embedded in its bucket
@@ -274,7 +276,9 @@ class PrefillGraphRunner:
     def __init__(self, model: torch.nn.Module, state_pool, kv_pool, *, max_tokens: int,
                  max_decodes: int, max_model_len: int, snapshots: bool, device: torch.device,
                  max_prefill_rows: int = MAX_PREFILL_ROWS, capture: bool = True,
-                 max_workspace_bytes: int = 8 << 30) -> None:
+                 max_workspace_bytes: int = 8 << 30, max_solo_tokens: int | None = None) -> None:
+        """max_tokens: the prefill part of a step with decode rows; max_solo_tokens (>=
+        max_tokens, default max_tokens): that of a prefill-only step."""
         self.model, self.state_pool, self.kv_pool = model, state_pool, kv_pool
         self.device = torch.device(device)
         cfg = model.cfg
@@ -283,12 +287,15 @@ class PrefillGraphRunner:
         self.max_pages = -(-max_model_len // self.page_size)
         self.max_kv_len = self.max_pages * self.page_size
         self.snapshots, self.max_prefill_rows = snapshots, max_prefill_rows
-        self.token_buckets = token_buckets(max_tokens)
+        self.token_buckets = token_buckets(max_tokens)  # steps with decode rows
+        self.solo_buckets = token_buckets(max(max_tokens, max_solo_tokens or max_tokens))
         self.decode_buckets = decode_buckets(max_decodes)
         ref_attention = kernel_path("paged_attention", self.device) == "reference"
         self.buckets: dict[tuple[int, int], PrefillBucket] = {}
-        for tokens in self.token_buckets:
+        for tokens in sorted(set(self.token_buckets) | set(self.solo_buckets)):
             for decodes in self.decode_buckets:
+                if tokens not in (self.token_buckets if decodes else self.solo_buckets):
+                    continue
                 if ref_attention and attention_workspace_bytes(
                         cfg, tokens + decodes, self.max_kv_len) > max_workspace_bytes:
                     continue  # the reference attention would gather too much: eager
@@ -308,7 +315,8 @@ class PrefillGraphRunner:
 
     # ---- routing ----------------------------------------------------------------------------
     def bucket_of(self, batch: Batch) -> tuple[int, int] | None:
-        tokens = smallest_at_least(self.token_buckets, batch.num_prefill_tokens)
+        tokens = smallest_at_least(self.token_buckets if batch.decodes else self.solo_buckets,
+                                   batch.num_prefill_tokens)
         decodes = smallest_at_least(self.decode_buckets, len(batch.decodes))
         key = (tokens, decodes)
         return key if key in self.buckets else None
@@ -396,6 +404,7 @@ class PrefillGraphRunner:
         torch.cuda.synchronize(self.device)
         used = free0 - torch.cuda.mem_get_info(self.device)[0]
         logger.info("CUDA graphs captured for %d prefill / mixed steps in %.1f s (%.0f MiB): "
-                    "prefill tokens %s x decode rows %s, up to %d prefill rows",
-                    len(self.graphs), time.perf_counter() - t0, used / 2**20, self.token_buckets,
-                    self.decode_buckets, self.max_prefill_rows)
+                    "prefill tokens %s x decode rows %s (prefill-only: up to %d tokens), up to "
+                    "%d prefill rows", len(self.graphs), time.perf_counter() - t0, used / 2**20,
+                    self.token_buckets, self.decode_buckets, self.solo_buckets[-1],
+                    self.max_prefill_rows)

@@ -115,6 +115,13 @@ def pool_sizes(cfg: ModelConfig, c: EngineConfig, dtype: torch.dtype, ssm_dtype:
     return int(num_slots), int(num_pages)
 
 
+# A prefill-only step (a lone prompt: nothing decodes beside it) replays a graph up to this many
+# times cuda_graph_max_prefill_tokens: eagerly, a 512-token prompt of the 9B is bound by the
+# host's ~1,000 launches (22-44 ms against 16.5 ms replayed, docs/benchmarks.md), while the
+# steps with decode rows keep the bound, which is also the serving slice (`_steady_prefill_cap`)
+SOLO_PREFILL_GRAPH_FACTOR = 2
+
+
 def prefill_graph_tokens(config: EngineConfig, device: torch.device) -> int:
     """cuda_graph_max_prefill_tokens as set, else DEFAULT_PREFILL_GRAPH_TOKENS on CUDA, 0 (no
     prefill graphs) elsewhere."""
@@ -126,12 +133,15 @@ def prefill_graph_tokens(config: EngineConfig, device: torch.device) -> int:
 def prefill_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int):
     """Prefill / mixed-step graphs (engine/prefill_graph.py), captured into the decode graphs'
     memory pool: prefill parts up to cuda_graph_max_prefill_tokens (no more than a step's token
-    budget), decode rows up to the decode graphs' largest bucket (at most MAX_MIXED_DECODES)."""
+    budget), prefill-only steps up to twice that (SOLO_PREFILL_GRAPH_FACTOR), decode rows up to
+    the decode graphs' largest bucket (at most MAX_MIXED_DECODES)."""
     from mambaserve.engine.prefill_graph import MAX_MIXED_DECODES, PrefillGraphRunner
 
+    bound = prefill_graph_tokens(config, runner.device)
     graphs = PrefillGraphRunner(
         runner.model, runner.state_pool, runner.kv_pool,
-        max_tokens=min(prefill_graph_tokens(config, runner.device), config.chunked_prefill_size),
+        max_tokens=min(bound, config.chunked_prefill_size),
+        max_solo_tokens=min(SOLO_PREFILL_GRAPH_FACTOR * bound, config.chunked_prefill_size),
         max_decodes=min(runner.graph_runner.max_bs, MAX_MIXED_DECODES),
         max_model_len=max_model_len, snapshots=config.enable_prefix_caching,
         device=runner.device)

@@ -215,6 +215,20 @@ def test_routing(engine):
     assert not graphs.can_run(Batch([lp], []))  # prompt logprobs run eagerly
 
 
+def test_prefill_only_steps_have_their_own_bound(engine):
+    """A lone prompt past max_tokens replays a prefill-only bucket up to max_solo_tokens; next
+    to decode rows the same prefill part stays eager (those buckets stop at max_tokens)."""
+    graphs = PrefillGraphRunner(engine.model, engine.state_pool, engine.kv_pool, max_tokens=32,
+                                max_decodes=2, max_model_len=128, snapshots=False,
+                                device="cpu", max_solo_tokens=64)
+    assert graphs.token_buckets == [16, 32] and graphs.solo_buckets == [16, 32, 64]
+    assert (64, 0) in graphs.buckets and (64, 1) not in graphs.buckets
+    long = row(_ids(40, 5), 0, 0, False, _pages(0, 3))
+    assert graphs.bucket_of(Batch([long], [])) == (64, 0) and graphs.can_run(Batch([long], []))
+    assert not graphs.can_run(Batch([long], [row([1], 3, 1, True, [5])]))
+    assert not graphs.can_run(Batch([row(_ids(65, 6), 0, 0, False, _pages(0, 5))], []))
+
+
 def test_capture_batches_touch_only_scratch_memory(engine):
     sp, kv = engine.state_pool, engine.kv_pool
     g = torch.Generator().manual_seed(1)
