@@ -4,7 +4,7 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode gemv tp (nvidia-h200-x2: TP_SIZE ranks)
+#         latency latency-profile attention-decode gemv decode-kernels tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -67,6 +67,10 @@ stage_check() {  # exactness of the engine on CUDA vs transformers (tiny model),
 }
 stage_gemv() {  # the few-rows linear vs cuBLAS at the presets' decode shapes (kernels.md)
     run gemv 300 $PY scripts/gemv_sweep.py --out "$W/gemv_sweep.json"
+}
+stage_decode-kernels() {  # the small per-layer decode kernels' launch settings (kernels.md)
+    run decode-kernels 300 $PY scripts/decode_small_kernels_sweep.py \
+        --out "$W/decode_small_kernels.json"
 }
 stage_audit() {
     run audit 120 $MS audit-syncs --device cuda
