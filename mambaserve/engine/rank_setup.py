@@ -163,8 +163,8 @@ def build_rank(path: str | Path, config: EngineConfig, model_config: ModelConfig
     for m in model.modules():  # q, k, v as one GEMM per attention layer (after sharding)
         if isinstance(m, Attention):
             m.pack_qkv()
-    if hasattr(model, "pack_mixer_inputs"):  # and with Mamba's in_proj where a layer has both
-        model.pack_mixer_inputs()
+    if hasattr(model, "pack_mixer_projections"):  # with Mamba's where a layer has both mixers
+        model.pack_mixer_projections()
     local = local_config(model_config, model)
     wb, eb = weight_bytes(model)
     logger.info("weights%s: %.2f GiB (%s)", f" of rank {tp.tp_rank}" if tp.tp_size > 1 else "",

@@ -101,13 +101,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                qkv: torch.Tensor | None = None, add: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                qkv: torch.Tensor | None = None, add: torch.Tensor | None = None,
+                into: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim];
         rope: `rope_tables(meta)` of the forward (computed here when None); qkv: the packed
         q / k / v projection of x when the layer computed it together with Mamba's in_proj;
         add [T, hidden]: returned added to the output (Falcon-H1's Mamba output), by o_proj's
-        own launch where o_proj is a plain projection."""
+        own launch where o_proj is a plain projection. `into` [T, heads x head_dim] (o_proj is
+        then the caller's: `DecoderLayer.pack_mixer_projections`): the attention output, before
+        o_proj, is written there and returned."""
         T = x.shape[0]
         q, k, v = self._qkv(x, qkv)
         if self.key_multiplier != 1.0:  # unfolded (tests); fold_scales moves it into k's rows
@@ -117,7 +119,10 @@ class Attention(nn.Module):
                                 cos_sin=rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta.page_table, meta.token_row, meta.positions,
-                              meta.max_kv_len, self.scale, meta.num_prefill_tokens)
+                              meta.max_kv_len, self.scale, meta.num_prefill_tokens,
+                              None if into is None else into.view(q.shape))
+        if into is not None:
+            return into
         out = out.reshape(T, -1)
         if add is None:
             return self.o_proj(out)

@@ -143,10 +143,12 @@ class Mamba2Mixer(nn.Module):
         self.proj_multipliers = []
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
-                ssm_state: torch.Tensor, zxbcdt: torch.Tensor | None = None) -> torch.Tensor:
+                ssm_state: torch.Tensor, zxbcdt: torch.Tensor | None = None,
+                into: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden]; conv_state: [slots + 1, K-1, conv_dim]; ssm_state: [slots + 1, H, P, N].
         `zxbcdt`: in_proj(x) when the layer computed it in a packed projection (in_proj is then
-        None: `DecoderLayer.pack_mixer_inputs`)."""
+        None: `DecoderLayer.pack_mixer_projections`). `into` [T, d_inner] (out_proj is then the
+        caller's, packed likewise): the gated norm's output is written there and returned."""
         T = x.shape[0]
         Tp = meta.num_prefill_tokens
         G, N, H, P = self.n_groups, self.state_size, self.num_heads, self.head_dim
@@ -198,17 +200,21 @@ class Mamba2Mixer(nn.Module):
                 save_decode_snapshots(conv_state, ssm_state, meta.decode_state_slots,
                                       meta.decode_snap_dst)
 
-        return self.out_proj(self._gated_norm(y.reshape(T, self.d_inner), z))
+        gated = self._gated_norm(y.reshape(T, self.d_inner), z, into)
+        return gated if into is not None else self.out_proj(gated)
 
-    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, into: torch.Tensor | None
+                    ) -> torch.Tensor:
         if self.norm_kind == "none":  # Falcon-H1 without the norm: y * silu(z), Triton on CUDA
-            return gated_silu(y, z)
+            return gated_silu(y, z, into)
         group = self.d_inner // self.n_groups
         norm_first = self.norm_kind == "norm_then_gate"
         if self.norm_span is None:  # every variant (Falcon-H1's included): Triton on CUDA
             return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps,
-                                 norm_before_gate=norm_first, weight_fp32=self.norm_weight_fp32)
+                                 norm_before_gate=norm_first, weight_fp32=self.norm_weight_fp32,
+                                 out=into)
         # a norm group spanning tensor-parallel ranks: the torch path with its all-reduce
-        return gated_rmsnorm_ref(y, z, self.norm_weight, group, self.norm_eps,
-                                 norm_before_gate=norm_first,
-                                 weight_fp32=self.norm_weight_fp32, span=self.norm_span)
+        out = gated_rmsnorm_ref(y, z, self.norm_weight, group, self.norm_eps,
+                                norm_before_gate=norm_first,
+                                weight_fp32=self.norm_weight_fp32, span=self.norm_span)
+        return out if into is None else into.copy_(out)

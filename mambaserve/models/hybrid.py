@@ -28,7 +28,7 @@ from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.moe import MoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.scaling import scale_, scale_linear_
-from mambaserve.layers.stacked_linear import stacked_linear
+from mambaserve.layers.stacked_linear import stacked_linear, summed_linear
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.model_layout import FFNKind, LayerSpec
 from mambaserve.ops.state_snapshot import restore_snapshots
@@ -75,22 +75,34 @@ class DecoderLayer(nn.Module):
         if spec.ffn is not FFNKind.NONE:
             self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.feed_forward = make_ffn(cfg, spec.ffn)
-        self.mixer_in: nn.Linear | None = None  # set by pack_mixer_inputs
+        # set by pack_mixer_projections
+        self.mixer_in: nn.Linear | None = None
+        self.mixer_out: nn.Linear | None = None
 
-    def pack_mixer_inputs(self) -> None:
-        """A layer with both mixers (Falcon-H1) projects the same normed input twice: Mamba's
-        in_proj and attention's packed q / k / v become one projection (`stacked_linear`,
-        in_proj's rows first), one GEMM per layer. Only after `Attention.pack_qkv`, with both
-        in the model dtype (not FP8) and the mixers' own input scales folded away."""
-        if self.mixer_in is not None or not (self.spec.mamba and self.spec.attention):
+    def pack_mixer_projections(self, inputs: bool = True, outputs: bool = True) -> None:
+        """A layer with both mixers (Falcon-H1) projects the same normed input twice and adds
+        two projected outputs: Mamba's in_proj and attention's packed q / k / v become one
+        projection (`stacked_linear`, in_proj's rows first), and o_proj and out_proj one
+        projection of the two mixers' outputs side by side (`summed_linear`, attention's
+        columns first): one GEMM each per layer. Only after `Attention.pack_qkv`, with both in
+        the model dtype (not FP8), unsharded norms, and the multipliers `inputs` / `outputs`
+        guard folded away."""
+        if not (self.spec.mamba and self.spec.attention):
             return
-        m, a = self.mamba.in_proj, self.self_attn.qkv_proj
-        if a is None or self.mamba.proj_multipliers or self.self_attn.key_multiplier != 1.0:
-            return
-        both = stacked_linear([m, a])
-        if both is not None:
-            self.mixer_in, self.mixer_in_split = both, [m.out_features, a.out_features]
-            self.mamba.in_proj = self.self_attn.qkv_proj = None  # their rows live in mixer_in
+        m, a = self.mamba, self.self_attn
+        if (inputs and self.mixer_in is None and a.qkv_proj is not None
+                and not m.proj_multipliers and a.key_multiplier == 1.0):
+            both = stacked_linear([m.in_proj, a.qkv_proj])
+            if both is not None:
+                self.mixer_in = both
+                self.mixer_in_split = [m.in_proj.out_features, a.qkv_proj.out_features]
+                m.in_proj = a.qkv_proj = None  # their rows live in mixer_in
+        if outputs and self.mixer_out is None and m.norm_span is None:
+            both = summed_linear([a.o_proj, m.out_proj])
+            if both is not None:
+                self.mixer_out = both
+                self.mixer_out_split = [a.o_proj.in_features, m.out_proj.in_features]
+                a.o_proj = m.out_proj = None  # their columns live in mixer_out
 
 
 class HybridForCausalLM(nn.Module):
@@ -105,13 +117,17 @@ class HybridForCausalLM(nn.Module):
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
         self.multipliers = Multipliers.of(cfg)
 
-    def pack_mixer_inputs(self) -> None:
-        """Every layer with both mixers: one input projection (`DecoderLayer.pack_mixer_inputs`);
-        called by the engine once the weights are final, after `Attention.pack_qkv`. Not while
-        a multiplier of the mixers' inputs is still applied in the forward."""
-        if self.multipliers.ssm_in == 1.0 and self.multipliers.attention_in == 1.0:
-            for layer in self.layers:
-                layer.pack_mixer_inputs()
+    def pack_mixer_projections(self) -> None:
+        """Every layer with both mixers: one input and one output projection
+        (`DecoderLayer.pack_mixer_projections`); called by the engine once the weights are final,
+        after `Attention.pack_qkv`. The inputs only once the multipliers of the mixers' inputs
+        are folded into the weights (`fold_multipliers`), the outputs once those of their inputs
+        and outputs are (the packed forward applies none)."""
+        m = self.multipliers
+        inputs = m.ssm_in == 1.0 and m.attention_in == 1.0
+        outputs = inputs and m.ssm_out == 1.0 and m.attention_out == 1.0
+        for layer in self.layers:
+            layer.pack_mixer_projections(inputs, outputs)
 
     def tie_lm_head(self) -> None:
         """Share the embedding matrix as the output projection (checkpoints without lm_head)."""
@@ -176,13 +192,24 @@ class HybridForCausalLM(nn.Module):
                 zxbcdt = qkv = None
                 if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
                     zxbcdt, qkv = layer.mixer_in(x).split(layer.mixer_in_split, dim=-1)
-                if spec.mamba:
+                if layer.mixer_out is not None:  # both outputs side by side, one projection
+                    both = torch.empty(x.shape[0], layer.mixer_out.in_features, dtype=x.dtype,
+                                       device=x.device)
+                    into_a, into_m = both.split(layer.mixer_out_split, dim=-1)
+                    layer.mamba(x, meta, conv_state[self.mamba_index[i]],
+                                ssm_state[self.mamba_index[i]], zxbcdt, into=into_m)
+                    layer.self_attn(x, meta, kv_cache[self.attention_index[i]], rope, qkv,
+                                    into=into_a)
+                    pending = layer.mixer_out(both)
+                    if mult.residual != 1.0:
+                        pending = pending * mult.residual
+                elif spec.mamba:
                     n = self.mamba_index[i]
                     xm = x * mult.ssm_in if mult.ssm_in != 1.0 else x
                     out = layer.mamba(xm, meta, conv_state[n], ssm_state[n], zxbcdt)
                     if mult.ssm_out != 1.0:
                         out = out * mult.ssm_out
-                if spec.attention:
+                if layer.mixer_out is None and spec.attention:
                     xa = x * mult.attention_in if mult.attention_in != 1.0 else x
                     # both mixers: o_proj's launch adds the Mamba output (no add of its own)
                     add = out if mult.attention_out == 1.0 else None
@@ -191,7 +218,8 @@ class HybridForCausalLM(nn.Module):
                     if mult.attention_out != 1.0:
                         a = a * mult.attention_out
                     out = a if out is None or add is not None else out + a
-                pending = out * mult.residual if mult.residual != 1.0 else out
+                if layer.mixer_out is None:
+                    pending = out * mult.residual if mult.residual != 1.0 else out
             if spec.ffn is not FFNKind.NONE:
                 x, h = self._norm(layer.pre_ff_layernorm, h, pending)
                 out = layer.feed_forward(x)

@@ -35,29 +35,39 @@ class NormSpan:
 
 def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
                   eps: float, norm_before_gate: bool = False,
-                  weight_fp32: bool = False) -> torch.Tensor:
+                  weight_fp32: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """y, z: [T, D]; weight: [D]; normalizes each group of `group_size` channels in float32.
 
     Default: w * rmsnorm(y * silu(z)), the weight multiply after the cast to y.dtype (as
     transformers does; the result in torch's promotion of the two dtypes). `weight_fp32`: the
     weight multiply in float32 before the one cast to y.dtype; `norm_before_gate`:
     w * rmsnorm(y) * silu(z), all in float32, one cast to y.dtype (`gated_rmsnorm_ref`).
+    `out`: write the result into this [T, D] tensor (e.g. a column slice of a wider one) and
+    return it.
     """
     if kernel_path("gated_rmsnorm", y.device) == "triton":
         from mambaserve.ops.triton.gated_rmsnorm import gated_rmsnorm_triton
 
-        return gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate, weight_fp32)
-    return gated_rmsnorm_ref(y, z, weight, group_size, eps, norm_before_gate, weight_fp32)
+        return gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate, weight_fp32,
+                                    out)
+    return _into(out, gated_rmsnorm_ref(y, z, weight, group_size, eps, norm_before_gate,
+                                        weight_fp32))
 
 
-def gated_silu(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def gated_silu(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """y, z: [T, D] -> y * silu(z) in y.dtype, without a norm (Falcon-H1 with
-    `mamba_rms_norm: false`): silu in z's dtype, the product in float32, one cast."""
+    `mamba_rms_norm: false`): silu in z's dtype, the product in float32, one cast. `out` as
+    `gated_rmsnorm`'s."""
     if kernel_path("gated_silu", y.device) == "triton":
         from mambaserve.ops.triton.gated_rmsnorm import gated_silu_triton
 
-        return gated_silu_triton(y, z)
-    return gated_silu_ref(y, z)
+        return gated_silu_triton(y, z, out)
+    return _into(out, gated_silu_ref(y, z))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    return result if out is None else out.copy_(result)
 
 
 def gated_silu_ref(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -38,11 +38,13 @@ def paged_attention(
     max_kv_len: int,
     scale: float,
     num_prefill_tokens: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, head_dim]; page_table: [R, max_pages] int64; token_row, positions: [T] int64;
     max_kv_len: host int >= every row's length after this forward; num_prefill_tokens: host int,
     the first tokens that belong to prefill rows (the engine's batch layout: prefill tokens, then
-    one token per decode row). Returns [T, H, head_dim].
+    one token per decode row). Returns [T, H, head_dim]: `out` when given (any strides, e.g. a
+    column slice of a wider buffer viewed as [T, H, head_dim]), filled.
 
     On CUDA the prefill tokens go to the tiled kernel (a block of consecutive tokens shares each
     K/V load: flash-attention style) and the decode tokens to the per-token kernel (one program
@@ -54,15 +56,17 @@ def paged_attention(
         Tp = num_prefill_tokens
         if Tp == 0:
             return paged_attention_triton(q, kv_cache, page_table, token_row, positions,
-                                          max_kv_len, scale)
-        out = torch.empty_like(q)  # each kernel writes its own rows: no concatenation
+                                          max_kv_len, scale, out=out)
+        if out is None:
+            out = torch.empty_like(q)  # each kernel writes its own rows: no concatenation
         paged_attention_triton(q[:Tp], kv_cache, page_table, token_row[:Tp], positions[:Tp],
                                max_kv_len, scale, tiled=True, out=out[:Tp])
         if Tp < q.shape[0]:
             paged_attention_triton(q[Tp:], kv_cache, page_table, token_row[Tp:], positions[Tp:],
                                    max_kv_len, scale, out=out[Tp:])
         return out
-    return paged_attention_ref(q, kv_cache, page_table, token_row, positions, max_kv_len, scale)
+    ref = paged_attention_ref(q, kv_cache, page_table, token_row, positions, max_kv_len, scale)
+    return ref if out is None else out.copy_(ref)
 
 
 def paged_attention_ref(q, kv_cache, page_table, token_row, positions, max_kv_len, scale):

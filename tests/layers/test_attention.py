@@ -53,10 +53,11 @@ def test_engine_packs_every_attention_layer(tiny_ckpt):
     assert layers and all(m.qkv_proj is not None for m in layers)
 
 
-def test_falcon_h1_layers_project_both_mixers_inputs_in_one_gemm(tmp_path):
+def test_falcon_h1_layers_project_both_mixers_in_one_gemm_each_way(tmp_path):
     """An engine-built Falcon-H1 (attention and Mamba in every layer) packs each layer's in_proj
-    and q / k / v into one projection; its prompt logprobs equal transformers' (the parity
-    tests cover every family and seed; this one checks the packing is in effect there)."""
+    and q / k / v into one projection, and o_proj and out_proj into one projection of both
+    outputs side by side; its prompt logprobs equal transformers' (the parity tests cover every
+    family and seed; this one checks the packing is in effect there)."""
     from family_checkpoints import hf_prompt_logprobs, make_tiny_falcon_h1
 
     from mambaserve import LLM, SamplingParams
@@ -65,6 +66,8 @@ def test_falcon_h1_layers_project_both_mixers_inputs_in_one_gemm(tmp_path):
     llm = LLM(path, dtype="float32", device="cpu")
     layers = llm.engine.model.layers
     assert all(layer.mixer_in is not None and layer.mamba.in_proj is None for layer in layers)
+    assert all(layer.mixer_out is not None and layer.self_attn.o_proj is None
+               and layer.mamba.out_proj is None for layer in layers)
     ids = torch.randint(3, 100, (23,), generator=torch.Generator().manual_seed(0)).tolist()
     out = llm.generate([{"prompt_token_ids": ids}],
                        SamplingParams(max_tokens=1, prompt_logprobs=0))[0]

@@ -68,7 +68,7 @@ def _gated_silu_kernel(
 
 
 def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
-                         weight_fp32=False):
+                         weight_fp32=False, out=None):
     """Same contract as `mambaserve.ops.gated_rmsnorm.gated_rmsnorm`."""
     T, Dm = y.shape
     assert z.shape == (T, Dm) and weight.shape == (Dm,), (y.shape, z.shape, weight.shape)
@@ -77,7 +77,7 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
     weight_fp32 = weight_fp32 or norm_before_gate
     # the reference's `weight * h.to(y.dtype)`, or its one cast to y.dtype
     out_dtype = y.dtype if weight_fp32 else torch.result_type(weight, y)
-    out = torch.empty((T, Dm), dtype=out_dtype, device=y.device)
+    out = _output(out, (T, Dm), out_dtype, y.device)
     if T == 0:
         return out
     BLOCK = triton.next_power_of_2(group_size)
@@ -94,11 +94,11 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
     return out
 
 
-def gated_silu_triton(y, z):
+def gated_silu_triton(y, z, out=None):
     """Same contract as `mambaserve.ops.gated_rmsnorm.gated_silu`."""
     T, Dm = y.shape
     assert z.shape == (T, Dm), (y.shape, z.shape)
-    out = torch.empty((T, Dm), dtype=y.dtype, device=y.device)
+    out = _output(out, (T, Dm), y.dtype, y.device)
     if T == 0:
         return out
     cfg = tuning.config("gated_silu", y.device)
@@ -107,4 +107,12 @@ def gated_silu_triton(y, z):
         y, z, out, Dm, *y.stride(), *z.stride(), *out.stride(), BLOCK=block,
         num_warps=cfg["num_warps"],
     )
+    return out
+
+
+def _output(out, shape, dtype, device):
+    """`out` (any row stride, contiguous channels) checked, or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    assert out.shape == shape and out.dtype == dtype, (out.shape, out.dtype, shape, dtype)
     return out
