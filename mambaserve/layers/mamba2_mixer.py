@@ -203,7 +203,7 @@ class Mamba2Mixer(nn.Module):
         gated = self._gated_norm(y.reshape(T, self.d_inner), z, into)
         return gated if into is not None else self.out_proj(gated)
 
-    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, into: torch.Tensor | None
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, into: torch.Tensor | None = None
                     ) -> torch.Tensor:
         if self.norm_kind == "none":  # Falcon-H1 without the norm: y * silu(z), Triton on CUDA
             return gated_silu(y, z, into)
