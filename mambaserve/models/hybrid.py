@@ -84,9 +84,9 @@ class DecoderLayer(nn.Module):
         two projected outputs: Mamba's in_proj and attention's packed q / k / v become one
         projection (`stacked_linear`, in_proj's rows first), and o_proj and out_proj one
         projection of the two mixers' outputs side by side (`summed_linear`, attention's
-        columns first): one GEMM each per layer. Only after `Attention.pack_qkv`, with both in
-        the model dtype (not FP8), unsharded norms, and the multipliers `inputs` / `outputs`
-        guard folded away."""
+        columns first): one GEMM each per layer. Only after `Attention.pack_qkv`, with the parts
+        in the model dtype (not FP8), the gated norm local to the rank, and the multipliers
+        that `inputs` / `outputs` vouch for folded into the weights."""
         if not (self.spec.mamba and self.spec.attention):
             return
         m, a = self.mamba, self.self_attn
@@ -167,6 +167,39 @@ class HybridForCausalLM(nn.Module):
         # model dtype (ops/rmsnorm.py), as norm((h + pending).to(dtype)) would
         return norm(pending, h)
 
+    def _mixers(self, i: int, layer: DecoderLayer, x: torch.Tensor, meta: ForwardMetadata,
+                conv_state, ssm_state, kv_cache, rope) -> torch.Tensor:
+        """Layer i's mixer sub-block on its normed input x: Mamba's output, attention's, or
+        both added (the residual multiplier not applied)."""
+        spec, mult = layer.spec, self.multipliers
+        zxbcdt = qkv = None
+        if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
+            zxbcdt, qkv = layer.mixer_in(x).split(layer.mixer_in_split, dim=-1)
+        if layer.mixer_out is not None:  # both outputs side by side, one projection
+            both = torch.empty(x.shape[0], layer.mixer_out.in_features, dtype=x.dtype,
+                               device=x.device)
+            into_a, into_m = both.split(layer.mixer_out_split, dim=-1)
+            n = self.mamba_index[i]
+            layer.mamba(x, meta, conv_state[n], ssm_state[n], zxbcdt, into=into_m)
+            layer.self_attn(x, meta, kv_cache[self.attention_index[i]], rope, qkv, into=into_a)
+            return layer.mixer_out(both)
+        out = None
+        if spec.mamba:
+            n = self.mamba_index[i]
+            xm = x * mult.ssm_in if mult.ssm_in != 1.0 else x
+            out = layer.mamba(xm, meta, conv_state[n], ssm_state[n], zxbcdt)
+            if mult.ssm_out != 1.0:
+                out = out * mult.ssm_out
+        if spec.attention:
+            xa = x * mult.attention_in if mult.attention_in != 1.0 else x
+            # both mixers: o_proj's launch adds the Mamba output (no add of its own)
+            add = out if mult.attention_out == 1.0 else None
+            a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]], rope, qkv, add)
+            if mult.attention_out != 1.0:
+                a = a * mult.attention_out
+            out = a if out is None or add is not None else out + a
+        return out
+
     def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
                 ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
         """Logits [len(meta.logits_idx), vocab] float32 (see NemotronHForCausalLM.forward)."""
@@ -188,38 +221,8 @@ class HybridForCausalLM(nn.Module):
             spec = layer.spec
             if spec.has_mixer:
                 x, h = self._norm(layer.input_layernorm, h, pending)
-                out = None
-                zxbcdt = qkv = None
-                if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
-                    zxbcdt, qkv = layer.mixer_in(x).split(layer.mixer_in_split, dim=-1)
-                if layer.mixer_out is not None:  # both outputs side by side, one projection
-                    both = torch.empty(x.shape[0], layer.mixer_out.in_features, dtype=x.dtype,
-                                       device=x.device)
-                    into_a, into_m = both.split(layer.mixer_out_split, dim=-1)
-                    layer.mamba(x, meta, conv_state[self.mamba_index[i]],
-                                ssm_state[self.mamba_index[i]], zxbcdt, into=into_m)
-                    layer.self_attn(x, meta, kv_cache[self.attention_index[i]], rope, qkv,
-                                    into=into_a)
-                    pending = layer.mixer_out(both)
-                    if mult.residual != 1.0:
-                        pending = pending * mult.residual
-                elif spec.mamba:
-                    n = self.mamba_index[i]
-                    xm = x * mult.ssm_in if mult.ssm_in != 1.0 else x
-                    out = layer.mamba(xm, meta, conv_state[n], ssm_state[n], zxbcdt)
-                    if mult.ssm_out != 1.0:
-                        out = out * mult.ssm_out
-                if layer.mixer_out is None and spec.attention:
-                    xa = x * mult.attention_in if mult.attention_in != 1.0 else x
-                    # both mixers: o_proj's launch adds the Mamba output (no add of its own)
-                    add = out if mult.attention_out == 1.0 else None
-                    a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]], rope, qkv,
-                                        add)
-                    if mult.attention_out != 1.0:
-                        a = a * mult.attention_out
-                    out = a if out is None or add is not None else out + a
-                if layer.mixer_out is None:
-                    pending = out * mult.residual if mult.residual != 1.0 else out
+                out = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope)
+                pending = out * mult.residual if mult.residual != 1.0 else out
             if spec.ffn is not FFNKind.NONE:
                 x, h = self._norm(layer.pre_ff_layernorm, h, pending)
                 out = layer.feed_forward(x)
