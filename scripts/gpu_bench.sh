@@ -4,7 +4,8 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode gemv decode-kernels tp (nvidia-h200-x2: TP_SIZE ranks)
+#         latency latency-profile attention-decode gemv decode-kernels fp8-serve
+#         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
 # (STAGE_TIMEOUT_<stage> seconds overrides it) so one failure or hang leaves the others.
@@ -171,6 +172,20 @@ write_config(preset_config('$PRESET'), '$dir')"
         --disable-tqdm --out "$W/load_multiturn_on.json"
     stop_server 8124 cache
     stage_load-profile
+}
+stage_fp8-serve() {  # bench serve at concurrency 64 (1024 in / 256 out) with FP8 weights quantized
+    local dir=$W/preset  # at load, against FP8's own one-batch ideal (stage load: bf16's)
+    $PY -c "from mambaserve.bench.presets import preset_config, write_config; \
+write_config(preset_config('$PRESET'), '$dir')"
+    run fp8-serve-ideal 240 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 8,64 --input-len 1024 --output-len 32 \
+        --engine enforce_eager=false,chunked_prefill_size=8192,quantization=fp8 \
+        --out "$W/one_batch_ideal_fp8.json"
+    start_server "$dir" 8125 --quantization fp8
+    run fp8-serve-closed 240 $MS bench serve --base-url http://127.0.0.1:8125 --dataset random \
+        --input-len 1024 --output-len 256 --num-prompts 256 --max-concurrency 64 \
+        --ideal-from "$W/one_batch_ideal_fp8.json" --disable-tqdm --out "$W/fp8_serve_closed.json"
+    stop_server 8125 fp8
 }
 stage_load-profile() {  # the device's idle share in batch-64 decode steps, synchronous vs overlapped
     for a in false true; do
