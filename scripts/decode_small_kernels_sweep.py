@@ -36,7 +36,7 @@ def config_of(name: str) -> ModelConfig:
         return ModelConfig.from_hf(write_config(preset_config(name), d))
 
 
-def settings(entry: str, **values) -> list[dict]:
+def settings(**values) -> list[dict]:
     """Every combination of the knobs' candidate values, the default (None / {}) first."""
     keys = list(values)
     return [{}] + [dict(zip(keys, combo)) for combo in itertools.product(*values.values())]
@@ -71,10 +71,10 @@ def cases(cfg: ModelConfig, T: int, dev="cuda", dtype=torch.bfloat16):
                      cfg.ssm_state_size, cfg.n_groups)
     Di, C, Kc = cfg.mamba_intermediate_size, cfg.conv_dim, cfg.conv_kernel
     x, r, w = rnd(T, D), rnd(T, D), rnd(D)
-    yield "rms_norm", settings("rms_norm", num_warps=[1, 2, 4, 8, 16]), \
+    yield "rms_norm", settings(num_warps=[1, 2, 4, 8, 16]), \
         [lambda: rms_norm(x, w, 1e-5, r)], lambda: rms_norm(x, w, 1e-5, r)[0]
     y, z, wn = rnd(T, Di), rnd(T, Di), rnd(Di)
-    yield "gated_rmsnorm", settings("gated_rmsnorm", num_warps=[1, 2, 4, 8]), \
+    yield "gated_rmsnorm", settings(num_warps=[1, 2, 4, 8]), \
         [lambda: gated_rmsnorm(y, z, wn, Di // G, 1e-5)], \
         lambda: gated_rmsnorm(y, z, wn, Di // G, 1e-5)
     slots = torch.arange(T, device=dev, dtype=torch.int32)
@@ -89,13 +89,13 @@ def cases(cfg: ModelConfig, T: int, dev="cuda", dtype=torch.bfloat16):
         return selective_state_update(s, xs, dt, A, B, Cm, Dd, dtb, lim, slots)
 
     yield "selective_state_update", settings(
-        "selective_state_update", block_p=[4, 8, 16, 32, 64], num_warps=[1, 2, 4, 8]), \
+        block_p=[4, 8, 16, 32, 64], num_warps=[1, 2, 4, 8]), \
         [lambda s=s: ssu(s) for s in states], lambda: ssu(fresh.clone())
     n_conv = min(MAX_COPIES, max(2, STATE_BYTES // ((T + 1) * (Kc - 1) * C * 2)))
     convs = [torch.zeros(T + 1, Kc - 1, C, device=dev, dtype=dtype) for _ in range(n_conv)]
     fresh_conv = rnd(T + 1, Kc - 1, C)
     xc, cw, cb = rnd(T, C), rnd(C, Kc), rnd(C)
-    yield "conv1d_update", settings("conv1d_update", block_d=[64, 128, 256, 512, 1024],
+    yield "conv1d_update", settings(block_d=[64, 128, 256, 512, 1024],
                                     num_warps=[1, 2, 4, 8]), \
         [lambda s=s: causal_conv1d_update(xc, cw, cb, s, slots) for s in convs], \
         lambda: causal_conv1d_update(xc, cw, cb, fresh_conv.clone(), slots)

@@ -117,7 +117,7 @@ def pool_sizes(cfg: ModelConfig, c: EngineConfig, dtype: torch.dtype, ssm_dtype:
 
 # A prefill-only step (a lone prompt: nothing decodes beside it) replays a graph up to this many
 # times cuda_graph_max_prefill_tokens: eagerly, a 512-token prompt of the 9B is bound by the
-# host's ~1,000 launches (22-44 ms against 16.5 ms replayed, docs/benchmarks.md), while the
+# host's ~1,000 launches (22-44 ms against 15.8 ms replayed, docs/benchmarks.md), while the
 # steps with decode rows keep the bound, which is also the serving slice (`_steady_prefill_cap`)
 SOLO_PREFILL_GRAPH_FACTOR = 2
 

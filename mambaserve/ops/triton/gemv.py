@@ -195,10 +195,10 @@ def act_gemv_triton(x: torch.Tensor, act: str, weight: torch.Tensor,
     assert act in ("relu2", "silu_mul"), act
     assert x.dim() == 2, x.shape
     K = x.shape[1] // 2 if act == "silu_mul" else x.shape[1]
-    if launch_plan(x.shape[0], weight.shape[0], K, x.device)["use_dot"]:
-        x = _two_launch_activation(x, act)
-        return _launch(x, weight, bias, K)
-    return _launch(x, weight, bias, K, act=ACTIVATIONS[act])
+    plan = launch_plan(x.shape[0], weight.shape[0], K, x.device)
+    if plan["use_dot"]:
+        return _launch(_two_launch_activation(x, act), weight, bias, K, plan=plan)
+    return _launch(x, weight, bias, K, act=ACTIVATIONS[act], plan=plan)
 
 
 def _two_launch_activation(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -206,7 +206,7 @@ def _two_launch_activation(x: torch.Tensor, act: str) -> torch.Tensor:
     return relu2_triton(x) if act == "relu2" else silu_mul_triton(x)
 
 
-def _launch(x, weight, bias, K, act=0, add=None):
+def _launch(x, weight, bias, K, act=0, add=None, plan=None):
     assert x.dim() == 2 and x.stride(-1) == 1, "the few-rows launches take [M, K] rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == K
     assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
@@ -222,7 +222,7 @@ def _launch(x, weight, bias, K, act=0, add=None):
     if K == 0:
         y.zero_() if bias is None else y.copy_(bias.expand(M, N))
         return y if add is None else y.add_(add)
-    plan = launch_plan(M, N, K, x.device)
+    plan = plan or launch_plan(M, N, K, x.device)
     split = plan["split_k"]
     blocks = triton.cdiv(N, plan["block_n"])
     if split > 1:
