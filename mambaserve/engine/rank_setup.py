@@ -165,6 +165,7 @@ def build_rank(path: str | Path, config: EngineConfig, model_config: ModelConfig
             m.pack_qkv()
     if hasattr(model, "pack_mixer_projections"):  # with Mamba's where a layer has both mixers
         model.pack_mixer_projections()
+    model.route_fp8_inputs()  # norms writing FP8 rows for FP8 projections of dynamic scales
     local = local_config(model_config, model)
     wb, eb = weight_bytes(model)
     logger.info("weights%s: %.2f GiB (%s)", f" of rank {tp.tp_rank}" if tp.tp_size > 1 else "",

@@ -9,6 +9,10 @@ Parameters (the names FP8 checkpoints use for a quantized `nn.Linear`):
                              tensor); without it each token row gets its own scale, max|x| / 448
     bias          [out]      model dtype, when the linear has one
 
+An Fp8Linear of dynamic scales also takes its input already quantized (`Fp8Rows`, written by the
+pass that produced the rows: the block's RMSNorm, the MLP activation); `takes_fp8_rows(module)`
+says whether a block's first projection is one.
+
 `swap_to_fp8(model, name)` replaces the module `name` (an nn.Linear) with an empty Fp8Linear of
 the same shape (a checkpoint fills it); `Fp8Linear.from_linear` quantizes a loaded one (on-the-fly
 FP8, per-channel weight scales, dynamic activation scales).
@@ -19,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mambaserve.ops.fp8_matmul import FP8_DTYPE, fp8_linear, quantize_weight_fp8
+from mambaserve.ops.fp8_matmul import FP8_DTYPE, Fp8Rows, fp8_linear, quantize_weight_fp8
 
 
 class Fp8Linear(nn.Module):
@@ -51,13 +55,25 @@ class Fp8Linear(nn.Module):
             out.bias.copy_(linear.bias)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
 
     def extra_repr(self) -> str:
         act = "static" if self.input_scale is not None else "dynamic per-token"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, activation scale {act}")
+
+
+def is_dynamic_fp8(module: nn.Module | None) -> bool:
+    """An Fp8Linear with dynamic per-token activation scales (it takes `Fp8Rows`)."""
+    return isinstance(module, Fp8Linear) and module.input_scale is None
+
+
+def takes_fp8_rows(module: nn.Module) -> bool:
+    """Whether `module` (a mixer or FFN) takes its input as `Fp8Rows`: its own
+    `takes_fp8_rows()` says so (its first projection is FP8 of dynamic scales)."""
+    check = getattr(module, "takes_fp8_rows", None)
+    return bool(check is not None and check())
 
 
 def swap_to_fp8(model: nn.Module, name: str, static_input_scale: bool) -> Fp8Linear:

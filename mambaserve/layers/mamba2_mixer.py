@@ -21,6 +21,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_or_replicate_range,
     shard_range,
 )
+from mambaserve.layers.fp8_linear import is_dynamic_fp8
 from mambaserve.layers.linear import Linear
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
@@ -141,6 +142,11 @@ class Mamba2Mixer(nn.Module):
         scale_linear_(self.out_proj, out_scale)
         self.segment_multipliers = [1.0] * 5
         self.proj_multipliers = []
+
+    def takes_fp8_rows(self) -> bool:
+        """in_proj is FP8 of dynamic scales: x may come as `Fp8Rows` (`forward` reads only its
+        shape, dtype and device besides in_proj)."""
+        return is_dynamic_fp8(self.in_proj)
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor, zxbcdt: torch.Tensor | None = None,

@@ -14,10 +14,17 @@ from mambaserve.distributed.parallel_modules import (
     param_of,
     shard_range,
 )
+from mambaserve.layers.fp8_linear import is_dynamic_fp8
 from mambaserve.layers.linear import Linear, is_plain_linear
 from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.ops.activation import relu2, silu_mul  # one Triton pass each on CUDA
-from mambaserve.ops.fp8_matmul import FP8_DTYPE, fp8_linear, quantize_weight_fp8
+from mambaserve.ops.fp8_matmul import (
+    FP8_DTYPE,
+    Fp8Rows,
+    fp8_linear,
+    quantize_rows,
+    quantize_weight_fp8,
+)
 from mambaserve.ops.linear import act_linear, linear
 
 
@@ -41,10 +48,16 @@ class MLP(nn.Module):
         """Once after loading: fold a scale of the output into down_proj (layers/scaling.py)."""
         scale_linear_(self.down_proj, out_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self) -> bool:
+        """up_proj is FP8 of dynamic scales: x may come as `Fp8Rows`."""
+        return is_dynamic_fp8(self.up_proj)
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         up, d = self.up_proj(x), self.down_proj
         if is_plain_linear(d):  # relu² in down's launch for decode-sized batches
             return act_linear(up, "relu2", d.weight, d.bias)
+        if is_dynamic_fp8(d):  # relu² in the quantization's launch
+            return d(quantize_rows(up, "relu2"))
         return d(relu2(up))
 
 
@@ -118,7 +131,11 @@ class GatedMLP(nn.Module):
         scale_linear_(self.down_proj, self.down_multiplier * out_scale)
         self.gate_multiplier = self.down_multiplier = 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self) -> bool:
+        """The gate|up stack is FP8 of dynamic scales: x may come as `Fp8Rows`."""
+        return self.gate_up_weight_scale is not None and self.gate_up_input_scale is None
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         I = self.intermediate_size
         bias = None if self.gate_up_bias is None else self.gate_up_bias.view(2 * I)
         w = self.gate_up_weight.view(2 * I, -1)
@@ -133,6 +150,8 @@ class GatedMLP(nn.Module):
             out = d(F.silu(gate * self.gate_multiplier) * up)
         elif is_plain_linear(d):  # silu(gate) * up in down's launch for decode-sized batches
             out = act_linear(gate_up, "silu_mul", d.weight, d.bias)
+        elif is_dynamic_fp8(d):  # silu(gate) * up in the quantization's launch
+            out = d(quantize_rows(gate_up, "silu_mul"))
         else:
             out = d(silu_mul(gate_up))  # one Triton pass on CUDA
         return out * self.down_multiplier if self.down_multiplier != 1.0 else out

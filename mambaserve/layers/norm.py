@@ -16,7 +16,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm(x); with `residual`: s = residual + x and (RMSNorm(s), s)."""
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                quantize: bool = False):
+        """RMSNorm(x); with `residual`: s = residual + x and (RMSNorm(s), s). `quantize`: the
+        normalized rows as `Fp8Rows` (for an FP8 projection of dynamic scales)."""
+        return rms_norm(x, self.weight, self.eps, residual, quantize)

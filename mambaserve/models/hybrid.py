@@ -22,6 +22,7 @@ from torch import nn
 
 from mambaserve.config import ModelConfig
 from mambaserve.layers.attention import Attention
+from mambaserve.layers.fp8_linear import takes_fp8_rows
 from mambaserve.layers.linear import Linear
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP, GatedMLP
@@ -78,6 +79,8 @@ class DecoderLayer(nn.Module):
         # set by pack_mixer_projections
         self.mixer_in: nn.Linear | None = None
         self.mixer_out: nn.Linear | None = None
+        # the norms write FP8 rows for the mixer / FFN (`HybridForCausalLM.route_fp8_inputs`)
+        self.fp8_mixer_input = self.fp8_ffn_input = False
 
     def pack_mixer_projections(self, inputs: bool = True, outputs: bool = True) -> None:
         """A layer with both mixers (Falcon-H1) projects the same normed input twice and adds
@@ -133,6 +136,19 @@ class HybridForCausalLM(nn.Module):
         """Share the embedding matrix as the output projection (checkpoints without lm_head)."""
         self.lm_head.weight = self.embed_tokens.weight
 
+    def route_fp8_inputs(self) -> None:
+        """Once the weights are final: a sub-block whose first projection is FP8 of dynamic
+        scales gets its input from the norm as FP8 rows (ops/rmsnorm.py: quantized in the
+        norm's pass instead of one of its own). Mixers only where Mamba is the layer's one
+        mixer and the normed input reaches it unscaled (folded multipliers)."""
+        lone_mamba_input = self.multipliers.ssm_in == 1.0
+        for layer in self.layers:
+            spec = layer.spec
+            layer.fp8_mixer_input = (spec.mamba and not spec.attention and lone_mamba_input
+                                     and takes_fp8_rows(layer.mamba))
+            layer.fp8_ffn_input = (spec.ffn is not FFNKind.NONE
+                                   and takes_fp8_rows(layer.feed_forward))
+
     @torch.no_grad()
     def fold_multipliers(self) -> None:
         """Fold every multiplier that scales a projection's input or output into its weights,
@@ -158,14 +174,15 @@ class HybridForCausalLM(nn.Module):
             scale_linear_(self.lm_head, m.logits)
         self.multipliers = Multipliers()
 
-    def _norm(self, norm: RMSNorm, h: torch.Tensor, pending: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h += pending (the previous sub-block's output), then norm(h): one pass when fused."""
+    def _norm(self, norm: RMSNorm, h: torch.Tensor, pending: torch.Tensor | None,
+              quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """h += pending (the previous sub-block's output), then norm(h): one pass when fused;
+        `quantize`: the normed rows as FP8 rows."""
         if pending is None:
-            return norm(h.to(self.embed_tokens.weight.dtype)), h
+            return norm(h.to(self.embed_tokens.weight.dtype), quantize=quantize), h
         # residual_in_fp32: h is float32 and the fused norm normalizes h + pending rounded to the
         # model dtype (ops/rmsnorm.py), as norm((h + pending).to(dtype)) would
-        return norm(pending, h)
+        return norm(pending, h, quantize=quantize)
 
     def _mixers(self, i: int, layer: DecoderLayer, x: torch.Tensor, meta: ForwardMetadata,
                 conv_state, ssm_state, kv_cache, rope) -> torch.Tensor:
@@ -220,11 +237,11 @@ class HybridForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             spec = layer.spec
             if spec.has_mixer:
-                x, h = self._norm(layer.input_layernorm, h, pending)
+                x, h = self._norm(layer.input_layernorm, h, pending, layer.fp8_mixer_input)
                 out = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope)
                 pending = out * mult.residual if mult.residual != 1.0 else out
             if spec.ffn is not FFNKind.NONE:
-                x, h = self._norm(layer.pre_ff_layernorm, h, pending)
+                x, h = self._norm(layer.pre_ff_layernorm, h, pending, layer.fp8_ffn_input)
                 out = layer.feed_forward(x)
                 pending = out * mult.residual if mult.residual != 1.0 else out
         # only the rows whose logits are needed take the last add and the final norm

@@ -11,6 +11,7 @@ from torch import nn
 
 from mambaserve.config import LayerKind, ModelConfig
 from mambaserve.layers.attention import Attention
+from mambaserve.layers.fp8_linear import takes_fp8_rows
 from mambaserve.layers.linear import Linear
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP
@@ -35,6 +36,8 @@ class Block(nn.Module):
             self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         else:
             self.mixer = MoE(cfg)
+        # the norm writes FP8 rows for the mixer (`NemotronHForCausalLM.route_fp8_inputs`)
+        self.fp8_input = False
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -53,6 +56,13 @@ class NemotronHForCausalLM(nn.Module):
         """Share the embedding matrix as the output projection (checkpoints without lm_head)."""
         self.lm_head.weight = self.embeddings.weight
 
+    def route_fp8_inputs(self) -> None:
+        """Once the weights are final: each block whose mixer's first projection is FP8 of
+        dynamic scales gets its input from the norm as FP8 rows (ops/rmsnorm.py: quantized in
+        the norm's pass instead of one of its own)."""
+        for block in self.layers:
+            block.fp8_input = takes_fp8_rows(block.mixer)
+
     def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
                 ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
         """Runs every layer over the flat batch; returns the logits of the rows
@@ -70,9 +80,9 @@ class NemotronHForCausalLM(nn.Module):
         out = None  # the previous block's mixer output, not yet added to h
         for i, block in enumerate(self.layers):
             if out is None:
-                x = block.norm(h)
+                x = block.norm(h, quantize=block.fp8_input)
             else:  # h = h + out; x = norm(h), in one pass (the same rounding as two torch ops)
-                x, h = block.norm(out, h)
+                x, h = block.norm(out, h, quantize=block.fp8_input)
             if block.kind is LayerKind.MAMBA:
                 n = self.mamba_index[i]
                 out = block.mixer(x, meta, conv_state[n], ssm_state[n])

@@ -119,7 +119,6 @@ CONDITIONS: dict[str, Condition | None] = {
     "gemv": Condition(("x", "weight"), _gemv_ok,
                       "float32 models, more rows than tuning gemv.max_m and weights that are "
                       "not a plain [N, K] matrix of the activations' dtype"),
-    # the same kernel with a decode block's norm (and residual add) or MLP activation first
     # the same kernel with an MLP activation applied to x as it loads it
     "act_linear": Condition(("x", "act", "weight"), _act_gemv_ok, "what `gemv` refuses"),
     # FP8: Triton's float8e4nv conversion and cuBLASLt's FP8 GEMM need compute capability 8.9

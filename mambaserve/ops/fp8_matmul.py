@@ -6,8 +6,10 @@ per output channel, x quantized to float8_e4m3fn on the fly.
 weight: [N, K] float8_e4m3fn; weight_scale: [N] float32 (a per-tensor scale is stored expanded
 to every row, which is the same number); input_scale: a one-element float32 tensor (static
 per-tensor activation scale, from a calibrated checkpoint) or None (dynamic: one scale per token
-row, max|row| / 448, computed on the device). Activation quantization is q = clamp(x / s, -448,
-448) rounded to nearest even by the cast; the dequantized product is
+row, max|row| / 448, computed on the device). Activation quantization is q = clamp(x * (1 / s),
+-448, 448) rounded to nearest even by the cast (1 / s rounded to float32 once per row, then one
+multiplication per element, as fast quantization kernels do; every implementation computes
+these very bits); the dequantized product is
 (q_x * s_x) (q_w * s_w)^T, accumulated in float32, rounded once to x.dtype, plus the bias.
 
 Three implementations, picked by `ops.dispatch.kernel_path("fp8_gemv" / "fp8_linear", ...)`:
@@ -24,10 +26,18 @@ Three implementations, picked by `ops.dispatch.kernel_path("fp8_gemv" / "fp8_lin
   the same quantization in torch ops, both operands dequantized to float32, one float32 matmul.
   It computes the quantized model exactly as defined, only without FP8 tensor cores.
 
+x may also be given already quantized, as `Fp8Rows` (codes, per-row scales, the dtype of the rows
+they stand for): what the kernel that produced the rows wrote in the same pass (the decoder
+block's RMSNorm, `ops/rmsnorm.py`; the MLP activation, `quantize_fp8(..., act=)`), so no
+quantization pass runs before the product. Every path then skips its own quantization; the
+result is the one of quantizing inside (the same codes and scales).
+
 No path syncs or branches on tensor values, so all run inside CUDA graphs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -38,27 +48,70 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_AMAX = 1e-12  # a zero row gets scale 1e-12 / 448, not 0 (no division by zero)
 
 
-def quantize_fp8_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+class Fp8Rows(NamedTuple):
+    """Token rows quantized with dynamic per-row scales: codes q [T, K] float8_e4m3fn
+    (row-major), scale [T, 1] float32, and `dtype`, the dtype of the rows they stand for (the
+    product's output dtype). Shape, dtype and device answer as those rows' would."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values the codes stand for (q * scale)."""
+        return self.q.float() * self.scale
+
+
+def quantize_fp8_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                     act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] float32). Dynamic per row when
-    `input_scale` is None, else the given one-element scale for every row."""
+    `input_scale` is None, else the given one-element scale for every row. `act` "relu2" /
+    "silu_mul" (x [M, 2K]): the rows quantized are those of that activation of x
+    (`ops/activation.py`, rounded to x.dtype)."""
+    if act is not None:
+        from mambaserve.ops.activation import relu2_ref, silu_mul_ref
+
+        x = relu2_ref(x) if act == "relu2" else silu_mul_ref(x)
     xf = x.float()
     if input_scale is None:
-        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+        amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX)
+        # a division by a tensor: IEEE on every device (CUDA divides by a Python number as a
+        # multiplication by its reciprocal, one ulp away at times)
+        scale = amax / torch.full_like(amax, FP8_MAX)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (xf * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
-def quantize_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_fp8_ref`'s contract; one Triton launch where the FP8 path runs."""
+def quantize_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                 act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_ref`'s contract; one Triton launch (the activation included) where the
+    FP8 path runs."""
     if kernel_path("fp8_quant", x.device) == "triton":
         from mambaserve.ops.triton.fp8_quant import quantize_fp8_triton
 
-        return quantize_fp8_triton(x if x.stride(-1) == 1 else x.contiguous(), input_scale)
-    return quantize_fp8_ref(x, input_scale)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        q, s = quantize_fp8_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), input_scale,
+                                   act)
+        return q.reshape(*lead, q.shape[-1]), s
+    return quantize_fp8_ref(x, input_scale, act)
+
+
+def quantize_rows(x: torch.Tensor, act: str | None = None) -> Fp8Rows:
+    """act(x) [T, K] (the activation rounded to x.dtype) as `Fp8Rows` with dynamic scales, for
+    an `fp8_linear` of dynamic activation scales; one launch on the FP8 path."""
+    q, s = quantize_fp8(x, None, act)
+    return Fp8Rows(q, s, x.dtype)
 
 
 def quantize_weight_fp8(w: torch.Tensor, per_channel: bool = True
@@ -76,10 +129,14 @@ def quantize_weight_fp8(w: torch.Tensor, per_channel: bool = True
     return q, scale
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = dequant(quant(x)) dequant(weight)^T + bias in x.dtype (see the module docstring)."""
+    """y = dequant(quant(x)) dequant(weight)^T + bias in x.dtype (see the module docstring).
+    x as `Fp8Rows` (already quantized, dynamic scales) takes no `input_scale`."""
+    if isinstance(x, Fp8Rows):
+        assert input_scale is None, "rows quantized with dynamic scales take no input_scale"
+        assert x.q.dim() == 2, "Fp8Rows hold [T, K] rows"
     if kernel_path("fp8_gemv", x.device, x=x, weight=weight) == "triton":
         return _fp8_linear_gemv(x, weight, weight_scale, input_scale, bias)
     if kernel_path("fp8_linear", x.device, x=x, weight=weight) == "triton":
@@ -93,6 +150,9 @@ def _fp8_linear_gemv(x, weight, weight_scale, input_scale, bias):
     quantizes them itself (each program recomputes the rows' amax over the whole K)."""
     from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton, prequantize
 
+    if isinstance(x, Fp8Rows):
+        return fp8_gemv_triton(x.q, weight, weight_scale, bias=bias, x_scale=x.scale,
+                               out_dtype=x.dtype)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -105,11 +165,11 @@ def _fp8_linear_gemv(x, weight, weight_scale, input_scale, bias):
 
 
 def _fp8_linear_scaled_mm(x, weight, weight_scale, input_scale, bias):
-    from mambaserve.ops.triton.fp8_quant import quantize_fp8_triton
-
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    q, s = quantize_fp8_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), input_scale)
+    if isinstance(x, Fp8Rows):
+        lead, (q, s) = x.shape[:-1], (x.q, x.scale)
+    else:
+        lead = x.shape[:-1]
+        q, s = quantize_fp8(x.reshape(-1, x.shape[-1]), input_scale)
     # weight [N, K] row-major: its transpose is the column-major [K, N] cuBLASLt wants
     y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1),
                          out_dtype=x.dtype)
@@ -118,13 +178,16 @@ def _fp8_linear_scaled_mm(x, weight, weight_scale, input_scale, bias):
     return y.reshape(*lead, weight.shape[0])
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_ref(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: quantize x as the fast path does, dequantize both operands, one float32
     matmul, the bias added in float32, one rounding to x.dtype."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    q, s = quantize_fp8_ref(x.reshape(-1, K), input_scale)
+    if isinstance(x, Fp8Rows):
+        lead, (q, s) = x.shape[:-1], (x.q, x.scale)
+    else:
+        lead = x.shape[:-1]
+        q, s = quantize_fp8_ref(x.reshape(-1, x.shape[-1]), input_scale)
     w = weight.float() * weight_scale.float().reshape(-1, 1)
     y = (q.float() * s) @ w.t()
     if bias is not None:
@@ -132,5 +195,5 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return y.to(x.dtype).reshape(*lead, weight.shape[0])
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "fp8_linear", "fp8_linear_ref",
-           "quantize_fp8", "quantize_fp8_ref", "quantize_weight_fp8"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Rows", "fp8_linear", "fp8_linear_ref",
+           "quantize_fp8", "quantize_fp8_ref", "quantize_rows", "quantize_weight_fp8"]

@@ -11,6 +11,10 @@ the new residual stream and the normalized input of the next mixer.
 A float32 `residual` beside a lower-precision x (a residual stream kept in float32, Mamba2's
 `residual_in_fp32`) gives s = residual + x in float32 (returned so), and the norm reads s rounded
 to x.dtype: what `norm((residual + x).to(x.dtype))` computes, in one pass.
+
+`quantize=True` returns the normalized rows as `Fp8Rows` (ops/fp8_matmul.py: e4m3 codes and
+dynamic per-row scales, `quantize_fp8` of the rounded output) for an FP8 projection with dynamic
+activation scales: the norm's pass writes them, and the projection quantizes nothing.
 """
 
 from __future__ import annotations
@@ -18,22 +22,33 @@ from __future__ import annotations
 import torch
 
 from mambaserve.ops.dispatch import kernel_path
+from mambaserve.ops.fp8_matmul import Fp8Rows, quantize_fp8_ref
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, quantize: bool = False):
     """x: [T, D] (rows may be strided); weight: [D]; residual: None, or [T, D] in x.dtype or
     float32.
 
-    Returns out [T, D] in x.dtype, or (out, s) with s = residual + x (in residual's dtype) when
-    residual is given; out normalizes s rounded to x.dtype.
+    Returns out [T, D] in x.dtype (`quantize`: as `Fp8Rows`), or (out, s) with s = residual + x
+    (in residual's dtype) when residual is given; out normalizes s rounded to x.dtype.
     """
-    if kernel_path("rms_norm", x.device) == "triton":
+    if kernel_path("rms_norm", x.device) == "triton" and (
+            not quantize or kernel_path("fp8_quant", x.device) == "triton"):
         from mambaserve.ops.triton.rmsnorm import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+        res = rms_norm_triton(x, weight, eps, residual, quantize)
+        if not quantize:
+            return res
+        (q, scale), s = res if residual is not None else (res, None)
+        rows = Fp8Rows(q, scale, x.dtype)
+        return rows if residual is None else (rows, s)
+    res = rms_norm_ref(x, weight, eps, residual)
+    if not quantize:
+        return res
+    out, s = res if residual is not None else (res, None)
+    rows = Fp8Rows(*quantize_fp8_ref(out), out.dtype)
+    return rows if residual is None else (rows, s)
 
 
 def rms_norm_ref(x, weight, eps, residual=None):

@@ -127,6 +127,28 @@ def test_prefix_caching_on_and_off_agree_with_fp8(source):
     assert on.engine.cache_stats()["hit_tokens"] > 0
 
 
+FP8_INPUT_FLAGS = ("fp8_input", "fp8_mixer_input", "fp8_ffn_input")
+
+
+def test_norms_write_the_fp8_rows_of_dynamic_projections(source):
+    """With dynamic activation scales, each block whose first projection is FP8 takes its input
+    from the norm as FP8 rows (quantized in the norm's pass; the MLP's down projection from the
+    activation's) and computes what quantizing inside the projection computes: identical
+    logprobs with that routing switched off."""
+    llm = LLM(source, quantization="fp8", chunked_prefill_size=16)
+    model = llm.engine.model
+    flags = [(layer, f) for layer in model.layers for f in FP8_INPUT_FLAGS
+             if getattr(layer, f, False)]
+    kinds = {type(getattr(layer, "mixer", None) or (
+        layer.mamba if f == "fp8_mixer_input" else layer.feed_forward)).__name__
+             for layer, f in flags}
+    assert {"Mamba2Mixer"} < kinds, kinds  # Mamba and the dense MLP of each family
+    routed = prompt_logprobs(llm, PROMPT)
+    for layer, f in flags:
+        setattr(layer, f, False)
+    torch.testing.assert_close(prompt_logprobs(llm, PROMPT), routed, rtol=0, atol=0)
+
+
 def test_exclusions_can_be_overridden(source):
     llm = LLM(source, quantization="fp8", quantization_exclude="lm_head")
     names = {n for n, m in llm.engine.model.named_modules() if isinstance(m, Fp8Linear)}

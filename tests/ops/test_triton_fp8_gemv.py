@@ -19,13 +19,8 @@ from mambaserve.ops import dispatch, fp8_matmul
 from mambaserve.ops.dispatch import FP8_GEMV_ENV, kernel_path
 from mambaserve.ops.fp8_matmul import FP8_DTYPE, fp8_linear, fp8_linear_ref, quantize_weight_fp8
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton.fp8_gemv import (
-    _fp8_gemv_kernel,
-    e4m3_decode,
-    e4m3_encode,
-    fp8_gemv_triton,
-    launch_plan,
-)
+from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
+from mambaserve.ops.triton.fp8_gemv import _fp8_gemv_kernel, fp8_gemv_triton, launch_plan
 
 require_interpreter(_fp8_gemv_kernel)
 

@@ -3,7 +3,8 @@ quantization included, for M <= the tuning entry's `max_m` rows.
 
 The math is `mambaserve.ops.fp8_matmul.fp8_linear_ref`'s exactly, on the same quantized
 operands: each row's scale is max(amax|x_row|, 1e-12) / 448 (IEEE division, `div_rn`) or the
-static input scale; q = clamp(x / scale, -448, 448) rounded to nearest even onto e4m3; the
+static input scale; q = clamp(x * (1 / scale), -448, 448) (the reciprocal `div_rn` once per row)
+rounded to nearest even onto e4m3; the
 products q * w (exact in float32) are summed in float32 (in another order than the reference's
 matmul), the sum times x_scale[m] * w_scale[n], plus the bias in float32, rounded once to
 x.dtype.
@@ -23,9 +24,8 @@ the parts in a fixed order (deterministic), adds the bias and rounds.
 The e4m3 conversions: on the GPU the hardware ones (the weight loaded as float8e4nv, fed to
 `tl.dot` or converted `.to(float32)`; `.to(float8e4nv)`, round to nearest even, for the
 activation); under the CPU
-interpreter, where float8 decoding is not right, `e4m3_decode` / `e4m3_encode` below, the same
-bits done with integer operations (`HW_FP8` constexpr picks). Both are tested bit for bit
-against torch's `float8_e4m3fn` (tests/ops/test_triton_fp8_gemv.py).
+interpreter, where float8 decoding is not right, `e4m3_decode` / `e4m3_encode`, the same
+bits done with integer operations (`ops/triton/fp8_codec.py`; the `HW_FP8` constexpr picks).
 
 Launch parameters: `tuning` entry "fp8_gemv". No host sync, no value-dependent branch: CUDA-graph
 capturable.
@@ -40,52 +40,15 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import num_sms, pow2
-
-
-# ---- e4m3 (float8_e4m3fn: sign, 4-bit exponent of bias 7, 3-bit mantissa, no infinities) ------
-@triton.jit
-def e4m3_decode(bits):
-    """uint8 codes -> float32 values: subnormals m * 2^-9, normals (8 + m) * 2^(e - 10), 0x7F and
-    0xFF NaN, 0x80 -0.0."""
-    b = bits.to(tl.int32)
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    nan = (b * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
-    mag = tl.where((e == 15) & (m == 7), nan, mag)
-    signed = mag.to(tl.int32, bitcast=True) | ((b >> 7) << 31)  # -0.0 for 0x80 too
-    return signed.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e4m3_encode(v):
-    """float32 values with |v| <= 448 (after the clamp) -> uint8 codes, rounded to nearest even
-    (NaN -> 0x7F). The significand (implicit bit included) is shifted right by 20 for the
-    normal binades (2^-6 and up: code = (E + 6) * 8 + rounded (8 + m), a carry rolls into the
-    exponent) and by 14 - E below (subnormals in steps of 2^-9)."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
-    E = ((bits >> 23) & 255) - 127
-    sig = (bits & 0x7FFFFF) | 0x800000
-    normal = E >= -6
-    sh = tl.where(normal, 20, tl.minimum(14 - E, 25))
-    one = sig * 0 + 1
-    keep = sig >> sh
-    rem = sig & ((one << sh) - 1)
-    half = one << (sh - 1)
-    up = (rem > half) | ((rem == half) & ((keep & 1) == 1))
-    code = tl.where(normal, (E + 6) * 8, 0) + keep + up.to(tl.int32)
-    code = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 127, code)  # NaN
-    return (code | (sign << 7)).to(tl.uint8)
+from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
 
 
 @triton.jit
 def _quantize(x, scale, HW_FP8: tl.constexpr):
     """x float32 [BM, BK], scale [BM, 1] -> the e4m3 values: float8e4nv on the GPU, their exact
     float32 values under the interpreter."""
-    q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # div_rn does not broadcast
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
     if HW_FP8:
         out = q.to(tl.float8e4nv)
     else:

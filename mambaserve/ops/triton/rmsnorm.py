@@ -8,6 +8,11 @@ mean square, rsqrt and weight multiply are float32, with one cast to x.dtype at 
 pass fits the hidden sizes in use (Nemotron-H: 4480 -> BLOCK_D 8192, 32 fp32 values per thread
 and tensor at 8 warps); the launcher refuses rows wider than 32K.
 
+`QUANT`: the normalized row, rounded to x's dtype, is written as FP8 instead (e4m3 codes through
+a uint8 view and the row's dynamic scale, max(amax, 1e-12) / 448: `ops/triton/fp8_quant.py`'s
+math on the values it holds), the input of an FP8 projection with no quantization pass of its
+own.
+
 The launcher reads no device value (shapes and strides only) and allocates with torch.empty, so
 it can be captured in a CUDA graph. Launch parameters: `tuning` entry "rms_norm".
 """
@@ -17,8 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton.fp8_quant import e4m3_codes, row_scale
 
 # 64 fp32 values per thread and tensor at 16 warps; wider rows would need a looped two-pass kernel
 _MAX_BLOCK_D = 32768
@@ -26,9 +33,10 @@ _MAX_BLOCK_D = 32768
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, D, eps,
+    x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, scale_ptr, D, eps,
     x_t, x_d, r_t, r_d, w_d, o_t, s_t,
-    HAS_RESIDUAL: tl.constexpr, ADD_NATIVE: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ADD_NATIVE: tl.constexpr, QUANT: tl.constexpr,
+    HW_FP8: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)  # row strides of wide strided views can pass 2^31 / T
     offs = tl.arange(0, BLOCK_D)
@@ -49,22 +57,33 @@ def _rms_norm_kernel(
     ms = tl.sum(h * h, axis=0) / D
     h = h * tl.rsqrt(ms + eps)
     w = tl.load(w_ptr + offs * w_d, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * o_t + offs, (w * h).to(out_ptr.dtype.element_ty), mask=m)
+    y = (w * h).to(x_ptr.dtype.element_ty)
+    if QUANT:
+        v = y.to(tl.float32)
+        scale = row_scale(v)
+        tl.store(scale_ptr + t, scale)
+        tl.store(out_ptr + t * o_t + offs, e4m3_codes(v, scale, HW_FP8), mask=m)
+    else:
+        tl.store(out_ptr + t * o_t + offs, y, mask=m)
 
 
-def rms_norm_triton(x, weight, eps, residual=None):
-    """Same contract as `mambaserve.ops.rmsnorm.rms_norm`; outputs are contiguous."""
+def rms_norm_triton(x, weight, eps, residual=None, quantize=False):
+    """Same contract as `mambaserve.ops.rmsnorm.rms_norm`; outputs are contiguous. `quantize`:
+    out is (codes [T, D] float8_e4m3fn, scale [T, 1] float32) of the normalized rows."""
     assert x.dim() == 2, x.shape
     T, D = x.shape
     assert weight.shape == (D,), (x.shape, weight.shape)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype in (x.dtype, torch.float32), (
             x.shape, x.dtype, residual.shape, residual.dtype)
-    out = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    out = torch.empty((T, D), dtype=torch.float8_e4m3fn if quantize else x.dtype,
+                      device=x.device)
+    scale = torch.empty((T, 1), dtype=torch.float32, device=x.device) if quantize else None
+    res = (out, scale) if quantize else out
     s = None if residual is None else torch.empty((T, D), dtype=residual.dtype,
                                                   device=x.device)
     if T == 0 or D == 0:
-        return out if s is None else (out, s)
+        return res if s is None else (res, s)
     BLOCK_D = triton.next_power_of_2(D)
     assert BLOCK_D <= _MAX_BLOCK_D, f"rms_norm_triton: row of {D} too wide for one pass"
     num_warps = tuning.config("rms_norm", x.device)["num_warps"]
@@ -72,16 +91,21 @@ def rms_norm_triton(x, weight, eps, residual=None):
         # at most 16 values per thread and tensor up to 4096, 32 at 8192 (Nemotron-H's 4480),
         # then 16 warps; a guess, not swept
         num_warps = 16 if BLOCK_D >= 16384 else max(1, min(8, BLOCK_D // 512))
-    # Without a residual the kernel never touches r/s (HAS_RESIDUAL is a constexpr): pass x and
-    # out in their place so every pointer argument is a real tensor.
-    r, s_arg = (x, out) if residual is None else (residual, s)
+    # Without a residual the kernel never touches r/s, without QUANT the scale (constexprs): x
+    # takes their place so every pointer argument is a real tensor.
+    r, s_arg = (x, x) if residual is None else (residual, s)
     _rms_norm_kernel[(T,)](
-        x, r, weight, out, s_arg, D, float(eps),
+        x, r, weight, out.view(torch.uint8) if quantize else out, s_arg,
+        scale if quantize else x, D, float(eps),
         x.stride(0), x.stride(1), r.stride(0), r.stride(1), weight.stride(0),
         out.stride(0), s_arg.stride(0),
         HAS_RESIDUAL=residual is not None,
         ADD_NATIVE=x.dtype in (torch.float32, torch.float64) and (residual is None
                                                                   or residual.dtype == x.dtype),
+        QUANT=quantize, HW_FP8=x.device.type == "cuda" and not _INTERPRETED,
         BLOCK_D=BLOCK_D, num_warps=num_warps,
     )
-    return out if s is None else (out, s)
+    return res if s is None else (res, s)
+
+
+_INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)

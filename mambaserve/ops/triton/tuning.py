@@ -87,6 +87,9 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # rows to it (unless MAMBASERVE_FP8_GEMV=0); tensor cores from dot_min_m rows,
     # CUDA-core FMAs below; None = the launcher's rules (`launch_plan`); prequant: dynamic
     # activation scales by a separate quantization launch (`ops/fp8_matmul.py`)
+    # FP8 activation quantization (ops/triton/fp8_quant.py): rows up to max_tile elements in one
+    # register tile, wider ones in two passes; num_warps None = min(32, max(4, tile // 512))
+    "fp8_quant": MappingProxyType({"max_tile": 16384, "num_warps": None}),
     "fp8_gemv": MappingProxyType({"max_m": 16, "dot_min_m": 4, "block_n": None, "block_k": None,
                                   "split_k": None, "num_warps": 4, "num_stages": 3,
                                   "prequant": True}),

@@ -1,0 +1,162 @@
+"""The FP8 few-rows linear (`ops/triton/fp8_gemv.py`, on pre-quantized rows as the engine runs it)
+over candidate launch settings, and the activation quantization passes that feed it
+(`ops/triton/fp8_quant.py`, the RMSNorm that writes FP8 rows), at the 9B preset's FP8 projections,
+M = 1 and 8 token rows: device time per call through CUDA graphs, each call on its own weight copy
+(the copies together exceed the L2 cache, as in a decode step), weight bytes over time against the
+copy ceiling. Each candidate is checked against the reference math on the same quantized operands
+first. Prints tables and writes JSON.
+
+    python scripts/fp8_gemv_sweep.py --out fp8_gemv_sweep.json          # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from mambaserve.bench.graph_timing import graph_time_us
+from mambaserve.bench.roofline import copy_ceiling
+from mambaserve.ops.activation import relu2
+from mambaserve.ops.fp8_matmul import Fp8Rows, fp8_linear_ref, quantize_fp8, quantize_weight_fp8
+from mambaserve.ops.rmsnorm import rms_norm
+from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton, launch_plan
+
+L2_BYTES = 256 << 20
+# (name, K, N) of the 9B preset's FP8 projections
+SHAPES = [("mamba in_proj", 4480, 22656), ("mamba out_proj", 10240, 4480),
+          ("mlp up_proj", 4480, 15680), ("mlp down_proj", 15680, 4480)]
+
+FMA = [  # CUDA-core launches (dot_min_m above M)
+    {},  # the rules
+    {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 1},
+    {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 2},
+    {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 4},
+    {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 2},
+    {"block_n": 8, "block_k": 1024, "num_warps": 8, "num_stages": 2},
+    {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 3},
+    {"block_n": 4, "block_k": 512, "num_warps": 2, "num_stages": 3},
+    {"block_n": 4, "block_k": 2048, "num_warps": 8, "num_stages": 2},
+    {"block_n": 16, "block_k": 256, "num_warps": 4, "num_stages": 3},
+    {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 3},
+    {"block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 2},
+    {"block_n": 2, "block_k": 2048, "num_warps": 4, "num_stages": 2},
+    {"block_n": 8, "block_k": 256, "num_warps": 2, "num_stages": 4},
+]
+DOT = [  # tensor-core launches (M = 8)
+    {"dot_min_m": 1},
+    {"dot_min_m": 1, "block_n": 32, "block_k": 128, "num_stages": 4},
+    {"dot_min_m": 1, "block_n": 32, "block_k": 256, "num_stages": 3},
+    {"dot_min_m": 1, "block_n": 64, "block_k": 256, "num_stages": 3},
+    {"dot_min_m": 1, "block_n": 128, "block_k": 128, "num_stages": 3, "num_warps": 8},
+    {"dot_min_m": 1, "block_n": 16, "block_k": 256, "num_stages": 4},
+    {"dot_min_m": 1, "block_n": 16, "block_k": 512, "num_stages": 3},
+    {"dot_min_m": 99, "block_n": 4, "block_k": 128, "num_warps": 4, "num_stages": 3},
+    {"dot_min_m": 99, "block_n": 2, "block_k": 256, "num_warps": 4, "num_stages": 3},
+]
+
+
+def candidates(M: int) -> list[dict]:
+    """FMA launches and the tensor-core ones for one or two rows; tensor-core ones above."""
+    return FMA + DOT[:5] if M <= 2 else DOT
+
+
+def sweep_gemv(ceiling: float, ms: list[int]) -> list[dict]:
+    rows = []
+    for name, K, N in SHAPES:
+        copies = max(1, min(16, -(-L2_BYTES // (N * K))))
+        ws = [quantize_weight_fp8(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
+              for _ in range(copies)]
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            q, s = quantize_fp8(x)
+            want = fp8_linear_ref(Fp8Rows(q, s, x.dtype), ws[0][0], ws[0][1]).float()
+            for knobs in candidates(M):
+                row = {"op": name, "M": M, "K": K, "N": N, "knobs": knobs}
+                try:
+                    with tuning.override("fp8_gemv", **{"dot_min_m": 99, **knobs}):
+                        got = fp8_gemv_triton(q, ws[0][0], ws[0][1], x_scale=s,
+                                              out_dtype=x.dtype).float()
+                        err = ((got - want).abs() / (want.abs() + 1e-2)).max().item()
+                        if not err < 2e-2:
+                            raise AssertionError(f"max relative error {err:.3g}")
+                        t = graph_time_us(fns=[lambda w=w, sc=sc: fp8_gemv_triton(
+                            q, w, sc, x_scale=s, out_dtype=x.dtype) for w, sc in ws])
+                        row["plan"] = launch_plan(M, N, K, x.device)
+                    row.update(us=t, pct=100 * N * K / (t * 1e-6) / ceiling)
+                except Exception as e:  # noqa: BLE001 -- a failing candidate is reported
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
+    return rows
+
+
+def sweep_quant(ms: list[int]) -> list[dict]:
+    rows = []
+    for K in (4480, 10240, 15680):
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            w = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+            cases = {"relu2 then quant": lambda: quantize_fp8(relu2(x)),
+                     "quant(act=relu2)": lambda: quantize_fp8(x, act="relu2")}
+            for warps in (None, 4, 8, 16, 32):
+                for tile in (16384, 1024):
+                    cases[f"quant tile {tile} warps {warps}"] = (
+                        lambda warps=warps, tile=tile: _with(
+                            "fp8_quant", {"num_warps": warps, "max_tile": tile},
+                            lambda: quantize_fp8(x)))
+            if K == 4480:
+                cases["rms_norm"] = lambda: rms_norm(x, w, 1e-5)
+                cases["rms_norm quantize"] = lambda: rms_norm(x, w, 1e-5, quantize=True)
+                cases["rms_norm then quant"] = lambda: quantize_fp8(rms_norm(x, w, 1e-5))
+            for what, fn in cases.items():
+                row = {"K": K, "M": M, "case": what, "us": graph_time_us(fn)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def _with(kernel, knobs, fn):
+    with tuning.override(kernel, **knobs):
+        return fn()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", default="1,8")
+    ap.add_argument("--only", choices=["gemv", "quant"], default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    ms = [int(m) for m in a.m.split(",")]
+    ceiling = copy_ceiling(torch.device("cuda"))["bytes_per_s"]
+    out = {"device": torch.cuda.get_device_name(), "copy_ceiling_bytes_per_s": ceiling}
+    if a.only in (None, "quant"):
+        out["quant"] = sweep_quant(ms)
+    if a.only in (None, "gemv"):
+        out["gemv"] = sweep_gemv(ceiling, ms)
+        best: dict = {}
+        for r in out["gemv"]:
+            key = (r["op"], r["M"])
+            if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+                best[key] = r
+        print("best per shape:")
+        for (op, M), r in best.items():
+            print(f"  {op} M={M}: {r['us']:.1f} us ({r['pct']:.0f} % of copy) {r['knobs']}")
+        for M in ms:  # geometric mean over shapes of best / candidate
+            for i, knobs in enumerate(candidates(M)):
+                rs = [r for r in out["gemv"] if r["M"] == M and r["knobs"] == knobs and "us" in r]
+                if len(rs) == len(SHAPES):
+                    g = math.exp(sum(math.log(best[(r["op"], M)]["us"] / r["us"]) for r in rs)
+                                 / len(rs))
+                    print(f"  M={M} candidate {i} {knobs}: geomean best/it {g:.3f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

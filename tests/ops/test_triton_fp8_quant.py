@@ -1,0 +1,103 @@
+"""The Triton FP8 activation quantization (`ops/triton/fp8_quant.py`, with the MLP activations in
+its pass) and the RMSNorm that writes FP8 rows (`ops/triton/rmsnorm.py`, QUANT) against the torch
+reference quantization, bit for bit: codes and scales (CPU interpreter without CUDA; compiled on a
+GPU of compute capability >= 8.9)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_env import DEV, require_interpreter  # before anything imports triton
+
+from mambaserve.ops.activation import silu_mul
+from mambaserve.ops.fp8_matmul import Fp8Rows, quantize_fp8_ref
+from mambaserve.ops.rmsnorm import rms_norm
+from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton.fp8_quant import _quant_rows_kernel, launch_plan, quantize_fp8_triton
+from mambaserve.ops.triton.rmsnorm import rms_norm_triton
+
+require_interpreter(_quant_rows_kernel)
+
+if DEV == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 conversions need compute capability >= 8.9", allow_module_level=True)
+
+# the interpreter mishandles bf16 casts, so bf16 runs only compiled
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def _codes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def _rows(M, K, dtype, seed, strided=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K + 24, generator=gen) * 3
+    x[:, 5] = 30.0  # a large element: the rest spreads over the e4m3 subnormals too
+    if M > 1:
+        x[1] = 0.0  # an all-zero row: scale 1e-12 / 448, every code 0
+    x = x[:, 8: 8 + K] if strided else x[:, :K].contiguous()
+    return x.to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", [None, "relu2", "silu_mul"])
+@pytest.mark.parametrize("M,K,max_tile,strided", [(3, 96, 16384, False), (2, 300, 16384, True),
+                                                  (3, 300, 64, False), (1, 4480, 16384, False)])
+def test_quantization_matches_the_reference_bit_for_bit(M, K, max_tile, strided, act, dtype):
+    width = 2 * K if act == "silu_mul" else K
+    x = _rows(M, width, dtype, seed=M * K + width, strided=strided)
+    with tuning.override("fp8_quant", max_tile=max_tile):
+        assert launch_plan(K, x.device)["one_tile"] == (max_tile >= K)
+        q, s = quantize_fp8_triton(x, None, act)
+    if act == "silu_mul" and DEV == "cuda":
+        qr, sr = quantize_fp8_ref(silu_mul(x.contiguous()))
+    else:
+        qr, sr = quantize_fp8_ref(x, None, act)
+    assert q.shape == (M, K) and q.dtype == torch.float8_e4m3fn and s.shape == (M, 1)
+    assert torch.equal(s, sr)
+    assert torch.equal(_codes(q), _codes(qr))
+
+
+@pytest.mark.parametrize("max_tile", [16384, 64])
+def test_static_scale(max_tile):
+    x = _rows(3, 200, torch.float32, seed=7)
+    scale = torch.tensor(0.05, device=DEV)
+    with tuning.override("fp8_quant", max_tile=max_tile):
+        q, s = quantize_fp8_triton(x, scale)
+    qr, sr = quantize_fp8_ref(x, scale)
+    assert torch.equal(s, sr) and torch.equal(_codes(q), _codes(qr))  # clamped at +-448 too
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("T,D", [(4, 72), (1, 4480)])
+def test_rms_norm_writes_the_quantization_of_its_output(T, D, residual, dtype):
+    """QUANT stores quantize(out) of the very row the plain kernel stores, and the same
+    residual stream."""
+    gen = torch.Generator().manual_seed(T + D)
+    x = torch.randn(T, D, generator=gen).to(DEV, dtype)
+    r = (3 * torch.randn(T, D, generator=gen)).to(DEV, dtype) if residual else None
+    w = (1 + 0.3 * torch.randn(D, generator=gen)).to(DEV, dtype)
+    plain = rms_norm_triton(x, w, 1e-5, r)
+    fused = rms_norm_triton(x, w, 1e-5, r, quantize=True)
+    (q, s), out = (fused[0], plain[0]) if residual else (fused, plain)
+    if residual:
+        assert torch.equal(fused[1], plain[1])
+    qr, sr = quantize_fp8_ref(out)
+    assert torch.equal(s, sr) and torch.equal(_codes(q), _codes(qr))
+
+
+def test_public_rms_norm_returns_fp8_rows_on_every_path():
+    """`rms_norm(..., quantize=True)`: Fp8Rows standing for the normalized rows, with the
+    residual stream beside them; the CPU reference path gives the same structure."""
+    gen = torch.Generator().manual_seed(3)
+    x, r = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    w = torch.ones(64)
+    for dev in {"cpu", DEV}:
+        rows, s = rms_norm(x.to(dev), w.to(dev), 1e-5, r.to(dev), quantize=True)
+        out, s_plain = rms_norm(x.to(dev), w.to(dev), 1e-5, r.to(dev))
+        assert isinstance(rows, Fp8Rows) and rows.dtype == x.dtype and rows.shape == (3, 64)
+        assert torch.equal(s, s_plain)
+        qr, sr = quantize_fp8_ref(out)
+        assert torch.equal(rows.scale, sr) and torch.equal(_codes(rows.q), _codes(qr))
+        torch.testing.assert_close(rows.dequantize(), out, rtol=0.07, atol=1e-5)
