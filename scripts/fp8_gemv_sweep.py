@@ -45,6 +45,8 @@ FMA = [  # CUDA-core launches (dot_min_m above M)
     {"block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 2},
     {"block_n": 2, "block_k": 2048, "num_warps": 4, "num_stages": 2},
     {"block_n": 8, "block_k": 256, "num_warps": 2, "num_stages": 4},
+    {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3, "split_k": 2},
+    {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "split_k": 2},
 ]
 DOT = [  # tensor-core launches (M = 8)
     {"dot_min_m": 1},
@@ -54,6 +56,10 @@ DOT = [  # tensor-core launches (M = 8)
     {"dot_min_m": 1, "block_n": 128, "block_k": 128, "num_stages": 3, "num_warps": 8},
     {"dot_min_m": 1, "block_n": 16, "block_k": 256, "num_stages": 4},
     {"dot_min_m": 1, "block_n": 16, "block_k": 512, "num_stages": 3},
+    {"dot_min_m": 1, "block_n": 64, "block_k": 256, "num_stages": 3, "split_k": 1},
+    {"dot_min_m": 1, "block_n": 64, "block_k": 256, "num_stages": 3, "split_k": 2},
+    {"dot_min_m": 1, "block_n": 32, "block_k": 256, "num_stages": 3, "split_k": 2},
+    {"dot_min_m": 1, "block_n": 32, "block_k": 256, "num_stages": 4, "split_k": 4},
     {"dot_min_m": 99, "block_n": 4, "block_k": 128, "num_warps": 4, "num_stages": 3},
     {"dot_min_m": 99, "block_n": 2, "block_k": 256, "num_warps": 4, "num_stages": 3},
 ]
@@ -61,7 +67,7 @@ DOT = [  # tensor-core launches (M = 8)
 
 def candidates(M: int) -> list[dict]:
     """FMA launches and the tensor-core ones for one or two rows; tensor-core ones above."""
-    return FMA + DOT[:5] if M <= 2 else DOT
+    return FMA + DOT[:5] + DOT[7:11] if M <= 2 else DOT
 
 
 def sweep_gemv(ceiling: float, ms: list[int]) -> list[dict]:

@@ -20,7 +20,7 @@ from mambaserve.ops.linear import act_linear, linear
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.activation import relu2_triton, silu_mul_triton
 from mambaserve.ops.triton.gemv import (
-    _COUNTERS,
+    COUNTERS,
     _gemv_kernel,
     act_gemv_triton,
     gemv_triton,
@@ -80,7 +80,7 @@ def test_split_k_is_deterministic_and_leaves_the_counters_at_zero(use_dot):
         y0 = gemv_triton(x, w, b)
     assert torch.equal(y1, y2)  # the same order of the partial sums on every run
     assert (y1 - y0).abs().max().item() <= 1e-4  # only the summation order differs
-    assert int(_COUNTERS[x.device].abs().sum()) == 0
+    assert int(COUNTERS[x.device].abs().sum()) == 0
 
 
 def test_strided_rows_and_empty_shapes():
@@ -158,7 +158,7 @@ def test_gemv_replays_in_a_cuda_graph():
         g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-    assert int(_COUNTERS[x.device].abs().sum()) == 0
+    assert int(COUNTERS[x.device].abs().sum()) == 0
 
 
 # the fused launches' shapes: every inner product and K split, ragged and even K

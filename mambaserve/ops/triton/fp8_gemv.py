@@ -18,8 +18,10 @@ converted to float32 (one FMA per weight byte and row into a [BLOCK_M, BLOCK_N, 
 accumulator, summed over BLOCK_K once after the loop), from it tensor cores (`tl.dot` with the
 weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M >= 16], float8
 operands, float32 accumulation promoted after every instruction, `max_num_imprecise_acc=0`).
-With split_k > 1 each part writes float32 partial sums (already scaled) and a second launch adds
-the parts in a fixed order (deterministic), adds the bias and rounds.
+With split_k > 1 each part writes float32 partial sums (already scaled) and counts its arrival
+on its column block's counter; the part that arrives last adds the parts in the fixed order 0, 1,
+... (deterministic), adds the bias, rounds, stores and sets the counter back to 0: no second
+launch (the bf16 few-rows linear's scheme and counters, `ops/triton/gemv.py`).
 
 The e4m3 conversions: on the GPU the hardware ones (the weight loaded as float8e4nv, fed to
 `tl.dot` or converted `.to(float32)`; `.to(float8e4nv)`, round to nearest even, for the
@@ -41,6 +43,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import num_sms, pow2
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
+from mambaserve.ops.triton.gemv import MAX_COLUMN_BLOCKS, column_counters
 
 
 @triton.jit
@@ -67,9 +70,9 @@ def _weight(w, HW_FP8: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["M", "stride_ws"])
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
-                     M, N, K, stride_xm, stride_wn, stride_ws, stride_om, stride_os, k_per_split,
+@triton.jit(do_not_specialize=["M", "stride_ws", "split_k"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+                     M, N, K, stride_xm, stride_wn, stride_ws, stride_om, k_per_split, split_k,
                      STATIC: tl.constexpr, PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                      HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -130,25 +133,23 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr,
     out_mask = row_ok[:, None] & col_ok[None, :]
     offs = rows[:, None] * stride_om + cols[None, :]
     if SPLIT:
-        tl.store(out_ptr + pid_k * stride_os + offs, y, mask=out_mask)
+        part_offs = rows[:, None] * N + cols[None, :]
+        tl.store(part_ptr + pid_k * M * N + part_offs, y, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial stored before the arrival is counted
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # the last of the column block's parts: add them in order
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(split_k):
+                total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit(do_not_specialize=["N", "stride_ps"])
-def _split_sum_kernel(part_ptr, bias_ptr, y_ptr, N, stride_ps, SPLIT_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # a fixed order: the same sums on every run
-        acc += tl.load(part_ptr + s * stride_ps + row * N + cols, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 _INTERPRETED = isinstance(_fp8_gemv_kernel, InterpretedFunction)
@@ -222,23 +223,22 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     static = input_scale is not None and not prequant
     if prequant:
         input_scale = x_scale.reshape(-1)
-    split = plan["split_k"] > 1
-    part = (torch.empty((plan["split_k"], M, N), dtype=torch.float32, device=x.device) if split
-            else y)
+    split = plan["split_k"]
+    blocks = triton.cdiv(N, plan["block_n"])
+    if split > 1:
+        assert blocks <= MAX_COLUMN_BLOCKS, f"{blocks} column blocks > {MAX_COLUMN_BLOCKS}"
+        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        counters = column_counters(x.device)
+    else:
+        part = counters = y
     ws = weight_scale.reshape(-1)
-    grid = (triton.cdiv(N, plan["block_n"]), plan["split_k"])
-    _fp8_gemv_kernel[grid](
+    _fp8_gemv_kernel[(blocks, split)](
         x, weight, ws, input_scale if static or prequant else ws,
-        bias if bias is not None else ws, part, M, N, K, x.stride(0), weight.stride(0),
-        0 if ws.numel() == 1 else ws.stride(0), N, M * N, plan["k_per_split"],
-        STATIC=static, PREQUANT=prequant, HAS_BIAS=bias is not None, SPLIT=split,
+        bias if bias is not None else ws, y, part, counters, M, N, K, x.stride(0),
+        weight.stride(0), 0 if ws.numel() == 1 else ws.stride(0), N, plan["k_per_split"], split,
+        STATIC=static, PREQUANT=prequant, HAS_BIAS=bias is not None, SPLIT=split > 1,
         EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],
         NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"])
-    if split:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(N, block), M)](
-            part, bias if bias is not None else part, y, N, M * N, SPLIT_K=plan["split_k"],
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y

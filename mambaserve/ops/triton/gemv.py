@@ -123,14 +123,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counters(device: torch.device) -> torch.Tensor:
+def column_counters(device: torch.device) -> torch.Tensor:
     """The device's arrival counters, zeroed once (every split launch leaves them at 0)."""
-    buf = _COUNTERS.get(device)
+    buf = COUNTERS.get(device)
     if buf is None:
-        buf = _COUNTERS[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32,
+        buf = COUNTERS[device] = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32,
                                               device=device)
     return buf
 
@@ -228,7 +228,7 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None):
     if split > 1:
         assert blocks <= MAX_COLUMN_BLOCKS, f"{blocks} column blocks > {MAX_COLUMN_BLOCKS}"
         part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
+        counters = column_counters(x.device)
     else:
         part = counters = y
     _gemv_kernel[(blocks, split)](
