@@ -21,6 +21,7 @@ from mambaserve.bench.graph_timing import graph_time_us
 from mambaserve.bench.roofline import copy_ceiling
 from mambaserve.ops.activation import relu2
 from mambaserve.ops.fp8_matmul import Fp8Rows, fp8_linear_ref, quantize_fp8, quantize_weight_fp8
+from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
 from mambaserve.ops.rmsnorm import rms_norm
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton, launch_plan
@@ -118,6 +119,19 @@ def sweep_quant(ms: list[int]) -> list[dict]:
                 cases["rms_norm"] = lambda: rms_norm(x, w, 1e-5)
                 cases["rms_norm quantize"] = lambda: rms_norm(x, w, 1e-5, quantize=True)
                 cases["rms_norm then quant"] = lambda: quantize_fp8(rms_norm(x, w, 1e-5))
+            if K == 10240:  # Mamba's gated norm (8 groups of 1280), then out_proj's rows
+                z = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                wn = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+                cases["gated_rmsnorm"] = lambda: gated_rmsnorm(x, z, wn, 1280, 1e-5)
+                cases["gated_rmsnorm then quant"] = lambda: quantize_fp8(
+                    gated_rmsnorm(x, z, wn, 1280, 1e-5))
+                cases["gated_rmsnorm quantize"] = lambda: gated_rmsnorm(
+                    x, z, wn, 1280, 1e-5, quantize=True)
+                for warps in (8, 16, 32):
+                    cases[f"gated_rmsnorm quantize warps {warps}"] = (
+                        lambda warps=warps: _with("gated_rmsnorm", {"fp8_num_warps": warps},
+                                                  lambda: gated_rmsnorm(x, z, wn, 1280, 1e-5,
+                                                                        quantize=True)))
             for what, fn in cases.items():
                 row = {"K": K, "M": M, "case": what, "us": graph_time_us(fn)}
                 rows.append(row)

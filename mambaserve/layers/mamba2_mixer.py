@@ -206,11 +206,15 @@ class Mamba2Mixer(nn.Module):
                 save_decode_snapshots(conv_state, ssm_state, meta.decode_state_slots,
                                       meta.decode_snap_dst)
 
-        gated = self._gated_norm(y.reshape(T, self.d_inner), z, into)
-        return gated if into is not None else self.out_proj(gated)
+        if into is not None:
+            return self._gated_norm(y.reshape(T, self.d_inner), z, into)
+        # an FP8 out_proj of dynamic scales gets FP8 rows from the gated norm's pass
+        quantize = is_dynamic_fp8(self.out_proj) and self.norm_kind != "none" \
+            and self.norm_span is None
+        return self.out_proj(self._gated_norm(y.reshape(T, self.d_inner), z, quantize=quantize))
 
-    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, into: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, into: torch.Tensor | None = None,
+                    quantize: bool = False):
         if self.norm_kind == "none":  # Falcon-H1 without the norm: y * silu(z), Triton on CUDA
             return gated_silu(y, z, into)
         group = self.d_inner // self.n_groups
@@ -218,7 +222,7 @@ class Mamba2Mixer(nn.Module):
         if self.norm_span is None:  # every variant (Falcon-H1's included): Triton on CUDA
             return gated_rmsnorm(y, z, self.norm_weight, group, self.norm_eps,
                                  norm_before_gate=norm_first, weight_fp32=self.norm_weight_fp32,
-                                 out=into)
+                                 out=into, quantize=quantize)
         # a norm group spanning tensor-parallel ranks: the torch path with its all-reduce
         out = gated_rmsnorm_ref(y, z, self.norm_weight, group, self.norm_eps,
                                 norm_before_gate=norm_first,

@@ -8,6 +8,11 @@ the norm before the gate (`norm_before_gate`, Falcon-H1). `gated_rmsnorm_ref` is
 reference, and also the path of tensor parallelism with fewer norm groups than ranks, where one
 group's channels lie on several ranks (`NormSpan`): each rank sums the squares of its channels
 and an all-reduce completes the group's sum before the division.
+
+`quantize=True` returns the output as `Fp8Rows` (ops/fp8_matmul.py: e4m3 codes and dynamic per-row
+scales of the rounded output) for an FP8 out_proj of dynamic scales: on CUDA one launch per token
+row normalizes all its groups and writes the FP8 row (rows of up to 16384 padded elements; wider
+ones take the norm's launch, then a quantization launch).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mambaserve.ops.dispatch import kernel_path
+from mambaserve.ops.fp8_matmul import Fp8Rows, quantize_fp8_ref, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,8 @@ class NormSpan:
 
 def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
                   eps: float, norm_before_gate: bool = False,
-                  weight_fp32: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                  weight_fp32: bool = False, out: torch.Tensor | None = None,
+                  quantize: bool = False):
     """y, z: [T, D]; weight: [D]; normalizes each group of `group_size` channels in float32.
 
     Default: w * rmsnorm(y * silu(z)), the weight multiply after the cast to y.dtype (as
@@ -43,15 +50,26 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_
     weight multiply in float32 before the one cast to y.dtype; `norm_before_gate`:
     w * rmsnorm(y) * silu(z), all in float32, one cast to y.dtype (`gated_rmsnorm_ref`).
     `out`: write the result into this [T, D] tensor (e.g. a column slice of a wider one) and
-    return it.
+    return it. `quantize` (no `out`): the result as `Fp8Rows`.
     """
+    args = (y, z, weight, group_size, eps, norm_before_gate, weight_fp32)
     if kernel_path("gated_rmsnorm", y.device) == "triton":
-        from mambaserve.ops.triton.gated_rmsnorm import gated_rmsnorm_triton
+        from mambaserve.ops.triton.gated_rmsnorm import (
+            fits_fp8_row,
+            gated_rmsnorm_fp8_triton,
+            gated_rmsnorm_triton,
+        )
 
-        return gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate, weight_fp32,
-                                    out)
-    return _into(out, gated_rmsnorm_ref(y, z, weight, group_size, eps, norm_before_gate,
-                                        weight_fp32))
+        if not quantize:
+            return gated_rmsnorm_triton(*args, out)
+        if kernel_path("fp8_quant", y.device) == "triton" and fits_fp8_row(y.shape[1],
+                                                                           group_size):
+            return Fp8Rows(*gated_rmsnorm_fp8_triton(*args))
+        return quantize_rows(gated_rmsnorm_triton(*args))
+    if not quantize:
+        return _into(out, gated_rmsnorm_ref(*args))
+    ref = gated_rmsnorm_ref(*args)
+    return Fp8Rows(*quantize_fp8_ref(ref), ref.dtype)
 
 
 def gated_silu(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor | None = None

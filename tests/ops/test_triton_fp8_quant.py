@@ -1,5 +1,6 @@
 """The Triton FP8 activation quantization (`ops/triton/fp8_quant.py`, with the MLP activations in
-its pass) and the RMSNorm that writes FP8 rows (`ops/triton/rmsnorm.py`, QUANT) against the torch
+its pass) and the norms that write FP8 rows (`ops/triton/rmsnorm.py` QUANT, the whole-row gated
+norm of `ops/triton/gated_rmsnorm.py`) against the torch
 reference quantization, bit for bit: codes and scales (CPU interpreter without CUDA; compiled on a
 GPU of compute capability >= 8.9)."""
 
@@ -11,9 +12,11 @@ from triton_env import DEV, require_interpreter  # before anything imports trito
 
 from mambaserve.ops.activation import silu_mul
 from mambaserve.ops.fp8_matmul import Fp8Rows, quantize_fp8_ref
+from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
 from mambaserve.ops.rmsnorm import rms_norm
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.fp8_quant import _quant_rows_kernel, launch_plan, quantize_fp8_triton
+from mambaserve.ops.triton.gated_rmsnorm import gated_rmsnorm_fp8_triton, gated_rmsnorm_triton
 from mambaserve.ops.triton.rmsnorm import rms_norm_triton
 
 require_interpreter(_quant_rows_kernel)
@@ -101,3 +104,35 @@ def test_public_rms_norm_returns_fp8_rows_on_every_path():
         qr, sr = quantize_fp8_ref(out)
         assert torch.equal(rows.scale, sr) and torch.equal(_codes(rows.q), _codes(qr))
         torch.testing.assert_close(rows.dequantize(), out, rtol=0.07, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm_before_gate,weight_fp32", [(False, False), (False, True),
+                                                          (True, False)])
+@pytest.mark.parametrize("T,G,group", [(3, 8, 40), (2, 3, 24), (1, 8, 1280)])
+def test_gated_rmsnorm_writes_the_quantization_of_its_output(T, G, group, norm_before_gate,
+                                                              weight_fp32, dtype):
+    """The whole-row gated norm (every variant, groups and channels padded to powers of two)
+    stores quantize(out) of the very values the per-group kernel stores."""
+    gen = torch.Generator().manual_seed(T * G + group)
+    y, z = (torch.randn(T, G * group, generator=gen).to(DEV, dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(G * group, generator=gen)).to(DEV, dtype)
+    args = (y, z, w, group, 1e-5, norm_before_gate, weight_fp32)
+    q, s, out_dtype = gated_rmsnorm_fp8_triton(*args)
+    out = gated_rmsnorm_triton(*args)
+    assert out_dtype == out.dtype
+    qr, sr = quantize_fp8_ref(out)
+    assert torch.equal(s, sr) and torch.equal(_codes(q), _codes(qr))
+
+
+def test_public_gated_rmsnorm_returns_fp8_rows():
+    gen = torch.Generator().manual_seed(5)
+    y, z = torch.randn(2, 96, generator=gen), torch.randn(2, 96, generator=gen)
+    w = torch.ones(96)
+    for dev in {"cpu", DEV}:
+        args = (y.to(dev), z.to(dev), w.to(dev), 32, 1e-5)
+        rows = gated_rmsnorm(*args, quantize=True)
+        out = gated_rmsnorm(*args)
+        assert isinstance(rows, Fp8Rows) and rows.dtype == out.dtype
+        qr, sr = quantize_fp8_ref(out)
+        assert torch.equal(rows.scale, sr) and torch.equal(_codes(rows.q), _codes(qr))

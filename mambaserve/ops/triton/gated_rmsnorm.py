@@ -11,6 +11,12 @@ channels of one token in float32 (BLOCK = next power of two >= group_size, maske
 - norm first (NORM_BEFORE_GATE, Falcon-H1; weight always in float32): y normalized, times the
   weight, times silu(z), all in float32, one cast to y.dtype.
 
+`_gated_rmsnorm_fp8_kernel`, grid (tokens,): the same math on one token's whole row (a [groups,
+BLOCK] tile, both padded to powers of two, at most `MAX_FP8_ROW_TILE` elements), the result
+rounded to the output dtype and written as FP8 (e4m3 codes and the row's dynamic scale,
+`fp8_quant.py`'s math): the input of an FP8 out_proj of dynamic scales, with no quantization
+launch of its own.
+
 `_gated_silu_kernel`, grid (tokens, blocks of BLOCK channels): y·silu(z) with silu rounded to
 z.dtype first and the product in float32, one cast to y.dtype (Falcon-H1 without the norm).
 
@@ -22,8 +28,30 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton.fp8_quant import e4m3_codes, row_scale
+
+MAX_FP8_ROW_TILE = 16384  # [pow2(groups), pow2(group_size)] elements in registers
+
+
+@triton.jit
+def _gate_and_norm(y, z, w, group_size, eps, AXIS: tl.constexpr, CAST: tl.constexpr,
+                   NORM_BEFORE_GATE: tl.constexpr, WEIGHT_FP32: tl.constexpr):
+    """float32 tiles y, z, w whose axis AXIS runs over one group's channels (masked lanes 0) ->
+    the float32 values before the one cast to the output dtype (CAST: y's dtype)."""
+    gate = z / (1.0 + tl.exp(-z))
+    h = y if NORM_BEFORE_GATE else y * gate
+    var = tl.sum(h * h, axis=AXIS, keep_dims=True) / group_size
+    h = h * (1.0 / tl.sqrt(var + eps))
+    if NORM_BEFORE_GATE:
+        h = h * w * gate
+    elif WEIGHT_FP32:
+        h = h * w
+    else:  # cast first, then the weight multiply in the promoted dtype (the output's)
+        h = h.to(CAST).to(tl.float32) * w
+    return h
 
 
 @triton.jit
@@ -38,18 +66,32 @@ def _gated_rmsnorm_kernel(
     m = tl.arange(0, BLOCK) < group_size
     y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
-    gate = z / (1.0 + tl.exp(-z))
-    h = y if NORM_BEFORE_GATE else y * gate
-    var = tl.sum(h * h, axis=0) / group_size
-    h = h * (1.0 / tl.sqrt(var + eps))
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if NORM_BEFORE_GATE:
-        h = h * w * gate
-    elif WEIGHT_FP32:
-        h = h * w
-    else:  # cast first, then the weight multiply in the promoted dtype (the output's)
-        h = h.to(y_ptr.dtype.element_ty).to(tl.float32) * w
+    h = _gate_and_norm(y, z, w, group_size, eps, 0, y_ptr.dtype.element_ty, NORM_BEFORE_GATE,
+                       WEIGHT_FP32)
     tl.store(out_ptr + t * o_t + offs * o_d, h.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_rmsnorm_fp8_kernel(
+    y_ptr, z_ptr, w_ptr, q_ptr, s_ptr, groups, group_size, eps, y_t, y_d, z_t, z_d,
+    GROUPS: tl.constexpr, BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    WEIGHT_FP32: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GROUPS)[:, None]
+    c = tl.arange(0, BLOCK)[None, :]
+    m = (g < groups) & (c < group_size)
+    offs = g * group_size + c
+    y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    h = _gate_and_norm(y, z, w, group_size, eps, 1, y_ptr.dtype.element_ty, NORM_BEFORE_GATE,
+                       WEIGHT_FP32)
+    v = tl.where(m, h.to(OUT_DTYPE).to(tl.float32), 0.0)  # the rounded output's values
+    scale = row_scale(tl.reshape(v, [GROUPS * BLOCK]))
+    tl.store(s_ptr + t, scale)
+    tl.store(q_ptr + t * groups * group_size + offs, e4m3_codes(v, scale, HW_FP8), mask=m)
 
 
 @triton.jit
@@ -92,6 +134,44 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
         num_warps=num_warps,
     )
     return out
+
+
+def fits_fp8_row(num_channels: int, group_size: int) -> bool:
+    """Whether `gated_rmsnorm_fp8_triton` holds a row of these groups in one tile."""
+    groups = num_channels // group_size
+    return triton.next_power_of_2(groups) * triton.next_power_of_2(group_size) <= \
+        MAX_FP8_ROW_TILE
+
+
+def gated_rmsnorm_fp8_triton(y, z, weight, group_size, eps, norm_before_gate=False,
+                             weight_fp32=False):
+    """`gated_rmsnorm_triton`'s result rounded to its output dtype, returned as (codes [T, D]
+    float8_e4m3fn, scale [T, 1] float32) with dynamic per-row scales, for rows that
+    `fits_fp8_row`; plus that output dtype."""
+    T, Dm = y.shape
+    assert z.shape == (T, Dm) and weight.shape == (Dm,), (y.shape, z.shape, weight.shape)
+    assert Dm % group_size == 0 and fits_fp8_row(Dm, group_size), (Dm, group_size)
+    assert weight.is_contiguous()
+    weight_fp32 = weight_fp32 or norm_before_gate
+    out_dtype = y.dtype if weight_fp32 else torch.result_type(weight, y)
+    q = torch.empty((T, Dm), dtype=torch.float8_e4m3fn, device=y.device)
+    s = torch.empty((T, 1), dtype=torch.float32, device=y.device)
+    if T:
+        groups = Dm // group_size
+        GROUPS, BLOCK = triton.next_power_of_2(groups), triton.next_power_of_2(group_size)
+        num_warps = tuning.config("gated_rmsnorm", y.device)["fp8_num_warps"]
+        if num_warps is None:
+            num_warps = min(32, max(4, GROUPS * BLOCK // 512))
+        _gated_rmsnorm_fp8_kernel[(T,)](
+            y, z, weight, q.view(torch.uint8), s, groups, group_size, float(eps), *y.stride(),
+            *z.stride(), GROUPS=GROUPS, BLOCK=BLOCK, NORM_BEFORE_GATE=bool(norm_before_gate),
+            WEIGHT_FP32=bool(weight_fp32), OUT_DTYPE=_TL_DTYPES[out_dtype],
+            HW_FP8=y.device.type == "cuda" and not _INTERPRETED, num_warps=num_warps)
+    return q, s, out_dtype
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_INTERPRETED = isinstance(_gated_rmsnorm_fp8_kernel, InterpretedFunction)
 
 
 def gated_silu_triton(y, z, out=None):
