@@ -96,6 +96,7 @@ class Condition:
 CONDITIONS: dict[str, Condition | None] = {
     "selective_state_update": None,
     "causal_conv1d_update": None,
+    "conv_state_step": None,
     # the kernel holds the conv window in named registers
     "causal_conv1d_varlen": Condition(
         ("weight",), lambda weight: 2 <= weight.shape[1] <= 5,

@@ -33,25 +33,38 @@ def _conv_update_kernel(
     mv = md & valid
 
     x = tl.load(x_ptr + row * x_b + offs * x_d, mask=md, other=0.0)
-    # window value k (k = 0 oldest .. K-1 = x), cast to x.dtype as the reference does
+    win = state_ptr + slot * s_slot + offs * s_d
+    acc = window_conv(x, w_ptr, b_ptr, win, offs, md, mv, w_d, w_k, s_k, K, HAS_BIAS, SILU)
+    shift_window(win, x, mv, s_k, K)
+    acc = tl.where(valid, acc, 0.0)
+    tl.store(out_ptr + row * o_b + offs * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def window_conv(x, w_ptr, b_ptr, win, offs, md, mv, w_d, w_k, s_k, K: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """float32 (silu of) the conv of channels `offs` over the row's saved window (`win`: the
+    pointers of window[0], mask mv) and the new input x (x's dtype; window values cast to it,
+    as the reference does)."""
     acc = x.to(tl.float32) * tl.load(w_ptr + offs * w_d + (K - 1) * w_k, mask=md,
                                      other=0.0).to(tl.float32)
-    s_base = state_ptr + slot * s_slot + offs * s_d
-    prev = tl.load(s_base, mask=mv, other=0.0)  # window[0]
     for k in tl.static_range(K - 1):
         w = tl.load(w_ptr + offs * w_d + k * w_k, mask=md, other=0.0).to(tl.float32)
-        acc += prev.to(x_ptr.dtype.element_ty).to(tl.float32) * w
-        if k < K - 2:
-            nxt = tl.load(s_base + (k + 1) * s_k, mask=mv, other=0.0)
-            tl.store(s_base + k * s_k, nxt, mask=mv)  # shift: state[k] <- state[k + 1]
-            prev = nxt
-    tl.store(s_base + (K - 2) * s_k, x.to(state_ptr.dtype.element_ty), mask=mv)
+        prev = tl.load(win + k * s_k, mask=mv, other=0.0)
+        acc += prev.to(x.dtype).to(tl.float32) * w
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=md, other=0.0).to(tl.float32)
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    acc = tl.where(valid, acc, 0.0)
-    tl.store(out_ptr + row * o_b + offs * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
+    return acc
+
+
+@triton.jit
+def shift_window(win, x, mv, s_k, K: tl.constexpr):
+    """The saved window of K-1 inputs at `win` shifted by one: the K-2 newest kept, x added."""
+    for k in tl.static_range(K - 2):
+        tl.store(win + k * s_k, tl.load(win + (k + 1) * s_k, mask=mv, other=0.0), mask=mv)
+    tl.store(win + (K - 2) * s_k, x.to(win.dtype.element_ty), mask=mv)
 
 
 def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation=True):

@@ -45,25 +45,43 @@ def _ssu_kernel(
     m2 = mp[:, None] & mn[None, :]
 
     s_ptrs = state_ptr + slot * s_slot + h * s_h + offs_p[:, None] * s_p + offs_n[None, :] * s_n
-    state = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
-
     x = tl.load(x_ptr + row * x_b + h * x_h + offs_p * x_p, mask=mp, other=0.0).to(tl.float32)
     Bv = tl.load(B_ptr + row * B_b + g * B_g + offs_n * B_n, mask=mn, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + row * C_b + g * C_g + offs_n * C_n, mask=mn, other=0.0).to(tl.float32)
     dt_raw = tl.load(dt_ptr + row * dt_b + h * dt_h).to(tl.float32)
-    dt_raw = dt_raw + tl.load(dt_bias_ptr + h).to(tl.float32)
-    dt = softplus_clamp(dt_raw, dt_lo, dt_hi)
-    A = tl.load(A_ptr + h).to(tl.float32)
-    Dh = tl.load(D_ptr + h).to(tl.float32)
-
-    dA = tl.exp(dt * A)
-    state = state * dA + (dt * x)[:, None] * Bv[None, :]
-    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=m2)
-
-    y = tl.sum(state * Cv[None, :], axis=1) + Dh * x
+    y = state_step(s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo, dt_hi)
     y = tl.where(valid, y, 0.0)
     tl.store(y_ptr + row * y_b + h * y_h + offs_p * y_p, y.to(y_ptr.dtype.element_ty),
              mask=offs_p < P)
+
+
+@triton.jit
+def state_step(s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo, dt_hi):
+    """One head's [BLOCK_P, N] state tile at `s_ptrs` (mask m2) stepped in place with float32
+    x [BLOCK_P], B and C [N] and the raw dt; returns y [BLOCK_P] in float32."""
+    state = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
+    dt = softplus_clamp(dt_raw + tl.load(dt_bias_ptr + h).to(tl.float32), dt_lo, dt_hi)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    Dh = tl.load(D_ptr + h).to(tl.float32)
+    dA = tl.exp(dt * A)
+    state = state * dA + (dt * x)[:, None] * Bv[None, :]
+    tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=m2)
+    return tl.sum(state * Cv[None, :], axis=1) + Dh * x
+
+
+def launch_plan(P: int, N: int, device) -> tuple[int, int]:
+    """(block_p, num_warps) of a head's [P, N] state: the tuning entry "selective_state_update"
+    with its None knobs resolved (block_p max(1, min(pow2(P), 4096 // pow2(N), 16)); num_warps 4
+    when block_p * pow2(N) >= 2048, else 2). Also the one-launch decode step's
+    (`mamba_decode_step.py`)."""
+    cfg = tuning.config("selective_state_update", device)
+    block_n = triton.next_power_of_2(N)
+    block_p, num_warps = cfg["block_p"], cfg["num_warps"]
+    if block_p is None:
+        block_p = max(1, min(triton.next_power_of_2(P), 4096 // block_n, 16))
+    if num_warps is None:
+        num_warps = 4 if block_p * block_n >= 2048 else 2
+    return block_p, num_warps
 
 
 def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit, state_slots):
@@ -83,12 +101,7 @@ def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limi
     if Bt == 0:
         return y
     BLOCK_N = triton.next_power_of_2(N)
-    cfg = tuning.config("selective_state_update", x.device)
-    block_p, num_warps = cfg["block_p"], cfg["num_warps"]
-    if block_p is None:
-        block_p = max(1, min(triton.next_power_of_2(P), 4096 // BLOCK_N, 16))
-    if num_warps is None:
-        num_warps = 4 if block_p * BLOCK_N >= 2048 else 2
+    block_p, num_warps = launch_plan(P, N, x.device)
     grid = (Bt, H, triton.cdiv(P, block_p))
     _ssu_kernel[grid](
         ssm_state, x, dt, A, B, C, D, dt_bias, state_slots, y,
