@@ -43,7 +43,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import num_sms, pow2
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
-from mambaserve.ops.triton.gemv import MAX_COLUMN_BLOCKS, column_counters
+from mambaserve.ops.triton.gemv import split_scratch
 
 
 @triton.jit
@@ -226,13 +226,7 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if prequant:
         input_scale = x_scale.reshape(-1)
     split = plan["split_k"]
-    blocks = triton.cdiv(N, plan["block_n"])
-    if split > 1:
-        assert blocks <= MAX_COLUMN_BLOCKS, f"{blocks} column blocks > {MAX_COLUMN_BLOCKS}"
-        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        counters = column_counters(x.device)
-    else:
-        part = counters = y
+    blocks, part, counters = split_scratch(plan, y)
     ws = weight_scale.reshape(-1)
     _fp8_gemv_kernel[(blocks, split)](
         x, weight, ws, input_scale if static or prequant else ws,

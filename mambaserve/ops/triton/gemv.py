@@ -135,6 +135,18 @@ def column_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def split_scratch(plan: dict, y: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(column blocks, float32 partials [split_k, M, N], the arrival counters) of a launch
+    writing y [M, N] with `plan`; without a split, y stands in for both buffers (unused)."""
+    M, N = y.shape
+    blocks = triton.cdiv(N, plan["block_n"])
+    if plan["split_k"] == 1:
+        return blocks, y, y
+    assert blocks <= MAX_COLUMN_BLOCKS, f"{blocks} column blocks > {MAX_COLUMN_BLOCKS}"
+    part = torch.empty((plan["split_k"], M, N), dtype=torch.float32, device=y.device)
+    return blocks, part, column_counters(y.device)
+
+
 def launch_plan(M: int, N: int, K: int, device) -> dict:
     """The launch of an [M, K] x [N, K]^T product on `device`: the tuning entry "gemv" with its
     None knobs resolved. Rules (None), from `scripts/gemv_sweep.py` on an H200 (docs/kernels.md):
@@ -224,13 +236,7 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None):
         return y if add is None else y.add_(add)
     plan = plan or launch_plan(M, N, K, x.device)
     split = plan["split_k"]
-    blocks = triton.cdiv(N, plan["block_n"])
-    if split > 1:
-        assert blocks <= MAX_COLUMN_BLOCKS, f"{blocks} column blocks > {MAX_COLUMN_BLOCKS}"
-        part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        counters = column_counters(x.device)
-    else:
-        part = counters = y
+    blocks, part, counters = split_scratch(plan, y)
     _gemv_kernel[(blocks, split)](
         x, weight, bias if bias is not None else y, y, part, counters,
         add if add is not None else y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),

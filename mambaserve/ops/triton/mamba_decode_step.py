@@ -23,7 +23,11 @@ import triton.language as tl
 
 from mambaserve.ops.triton.conv1d_update import shift_window, window_conv
 from mambaserve.ops.triton.gemv import MAX_COLUMN_BLOCKS, column_counters
-from mambaserve.ops.triton.selective_state_update import launch_plan, state_step
+from mambaserve.ops.triton.selective_state_update import (
+    launch_plan,
+    program_tile,
+    state_step,
+)
 
 
 @triton.jit
@@ -34,15 +38,8 @@ def _conv_state_step_kernel(
     y_p, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    pb = tl.program_id(2)
-    g = h // heads_per_group
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    valid = slot >= 0
-    slot = tl.maximum(slot, 0)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
+    row, h, g, slot, valid, offs_p, offs_n = program_tile(slot_ptr, heads_per_group, BLOCK_P,
+                                                          BLOCK_N)
     mp_all = offs_p < P
     mn_all = offs_n < N
     mp, mn = mp_all & valid, mn_all & valid

@@ -29,17 +29,8 @@ def _ssu_kernel(
     y_b, y_h, y_p,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    pb = tl.program_id(2)
-    g = h // heads_per_group
-
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    valid = slot >= 0
-    slot = tl.maximum(slot, 0)
-
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
+    row, h, g, slot, valid, offs_p, offs_n = program_tile(slot_ptr, heads_per_group, BLOCK_P,
+                                                          BLOCK_N)
     mp = (offs_p < P) & valid
     mn = (offs_n < N) & valid
     m2 = mp[:, None] & mn[None, :]
@@ -53,6 +44,18 @@ def _ssu_kernel(
     y = tl.where(valid, y, 0.0)
     tl.store(y_ptr + row * y_b + h * y_h + offs_p * y_p, y.to(y_ptr.dtype.element_ty),
              mask=offs_p < P)
+
+
+@triton.jit
+def program_tile(slot_ptr, heads_per_group, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's (row, head, group, slot clamped to >= 0, whether the slot is valid, its
+    head-dim offsets, the state offsets) on the grid (rows, heads, p-blocks)."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    return (row, h, h // heads_per_group, tl.maximum(slot, 0), slot >= 0, offs_p,
+            tl.arange(0, BLOCK_N))
 
 
 @triton.jit
