@@ -47,6 +47,9 @@ FMA = [  # CUDA-core launches (dot_min_m above M)
     {"block_n": 2, "block_k": 2048, "num_warps": 4, "num_stages": 2},
     {"block_n": 8, "block_k": 256, "num_warps": 2, "num_stages": 4},
     {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3, "split_k": 2},
+    {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3, "fold": 4},
+    {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3, "fold": 8},
+    {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "fold": 4},
     {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "split_k": 2},
 ]
 DOT = [  # tensor-core launches (M = 8)

@@ -133,7 +133,8 @@ def test_kernel_matches_the_reference(M, K, N, static):
 @pytest.mark.parametrize("knobs", [{"dot_min_m": 1}, {"dot_min_m": 99},
                                    {"split_k": 3, "block_k": 64},
                                    {"dot_min_m": 1, "split_k": 2, "block_k": 32},
-                                   {"block_n": 4, "block_k": 64, "split_k": 5}])
+                                   {"block_n": 4, "block_k": 64, "split_k": 5},
+                                   {"dot_min_m": 99, "block_k": 64, "fold": 4}])
 @pytest.mark.parametrize("M", [1, 6])
 def test_both_inner_products_and_split_k(knobs, M):
     x, wq, ws, s_in, b = _operands(M, 300, 41, seed=7 + M)

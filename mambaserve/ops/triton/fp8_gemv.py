@@ -77,7 +77,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                      HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, FOLD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -105,7 +105,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:  # one product per weight element and row, summed over BLOCK_K after the loop
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + ks
         if EVEN_K:  # every step full: masks on rows / columns only (vector loads along K)
@@ -123,7 +123,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
         if USE_DOT:
             acc = tl.dot(w, tl.trans(q), acc, max_num_imprecise_acc=0)
         else:
-            acc3 += w.to(tl.float32)[None, :, :] * q.to(tl.float32)[:, None, :]
+            prod = w.to(tl.float32)[None, :, :] * q.to(tl.float32)[:, None, :]
+            if FOLD > 1:  # FOLD neighbouring products summed first: a smaller accumulator
+                prod = tl.sum(tl.reshape(prod, [BLOCK_M, BLOCK_N, BLOCK_K // FOLD, FOLD]), axis=3)
+            acc3 += prod
     if USE_DOT:
         acc = tl.trans(acc)
     else:
@@ -187,7 +190,8 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
     return {"use_dot": use_dot, "block_m": block_m, "block_n": block_n, "block_k": block_k,
             "split_k": split_k, "k_per_split": k_per_split, "block_a": max(64, 2048 // block_m),
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "max_m": cfg["max_m"]}
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "max_m": cfg["max_m"],
+            "fold": min(cfg["fold"], block_k)}
 
 
 def prequantize(device) -> bool:
@@ -236,5 +240,5 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],
-        NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"])
+        NUM_STAGES=plan["num_stages"], FOLD=plan["fold"], num_warps=plan["num_warps"])
     return y
