@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (Hopper+): the device-side half and the launch option
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _PDL_BUILD = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except ImportError:  # an older Triton: the kernels never take the PDL branch
+    _PDL_BUILD = False
+    gdc_launch_dependents = gdc_wait = None
+
+# The switch of programmatic dependent launch for the decode-path kernels: "1" on (docs/kernels.md)
+PDL_ENV = "MAMBASERVE_PDL"
 
 
 @functools.cache
@@ -30,3 +43,31 @@ def softplus_clamp(v, lo, hi):
     e = tl.exp(tl.minimum(v, 20.0))
     sp = tl.where(v > 20.0, v, tl.where(v < -15.0, e, tl.log(1.0 + e)))
     return tl.minimum(tl.maximum(sp, lo), hi)
+
+
+def pdl_launch(device: torch.device, kernel) -> dict:
+    """The launch keywords of `kernel` on `device`: programmatic dependent launch (the kernel's
+    `PDL` constexpr and Triton's `launch_pdl`) when MAMBASERVE_PDL=1, the GPU is a Hopper or
+    newer, the Triton build has it and the kernel is compiled (not interpreted); else PDL off.
+    A kernel launched so may be scheduled while the previous kernel of the stream finishes: its
+    first act is `await_previous` (its programs wait there for that kernel's writes)."""
+    on = (os.environ.get(PDL_ENV, "0") == "1" and _PDL_BUILD and device.type == "cuda"
+          and type(kernel).__name__ != "InterpretedFunction" and _hopper(device))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(idx) >= (9, 0)
+
+
+@triton.jit
+def await_previous(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the previous kernel of the stream has
+    finished and its writes are visible (before this kernel touches memory: no read of an input
+    it writes, no write of a buffer it reads), then let the next kernel be scheduled (its
+    programs wait likewise). Nothing without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

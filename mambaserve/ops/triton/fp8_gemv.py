@@ -41,7 +41,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import num_sms, pow2
+from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch, pow2
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
 from mambaserve.ops.triton.gemv import split_scratch
 
@@ -77,7 +77,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                      HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, FOLD: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr):
+    await_previous(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -240,5 +241,6 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],
-        NUM_STAGES=plan["num_stages"], FOLD=plan["fold"], num_warps=plan["num_warps"])
+        NUM_STAGES=plan["num_stages"], FOLD=plan["fold"], num_warps=plan["num_warps"],
+        **pdl_launch(x.device, _fp8_gemv_kernel))
     return y

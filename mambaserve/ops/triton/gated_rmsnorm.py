@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton._common import await_previous, pdl_launch
 from mambaserve.ops.triton.fp8_quant import e4m3_codes, row_scale
 
 MAX_FP8_ROW_TILE = 16384  # [pow2(groups), pow2(group_size)] elements in registers
@@ -59,7 +60,9 @@ def _gated_rmsnorm_kernel(
     y_ptr, z_ptr, w_ptr, out_ptr, group_size, eps,
     y_t, y_d, z_t, z_d, o_t, o_d,
     BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, WEIGHT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * group_size + tl.arange(0, BLOCK)
@@ -77,7 +80,9 @@ def _gated_rmsnorm_fp8_kernel(
     y_ptr, z_ptr, w_ptr, q_ptr, s_ptr, groups, group_size, eps, y_t, y_d, z_t, z_d,
     GROUPS: tl.constexpr, BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
     WEIGHT_FP32: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS)[:, None]
     c = tl.arange(0, BLOCK)[None, :]
@@ -131,7 +136,7 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
         y, z, weight, out, group_size, float(eps),
         *y.stride(), *z.stride(), *out.stride(), BLOCK=BLOCK,
         NORM_BEFORE_GATE=bool(norm_before_gate), WEIGHT_FP32=bool(weight_fp32),
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_launch(y.device, _gated_rmsnorm_kernel),
     )
     return out
 
@@ -166,7 +171,8 @@ def gated_rmsnorm_fp8_triton(y, z, weight, group_size, eps, norm_before_gate=Fal
             y, z, weight, q.view(torch.uint8), s, groups, group_size, float(eps), *y.stride(),
             *z.stride(), GROUPS=GROUPS, BLOCK=BLOCK, NORM_BEFORE_GATE=bool(norm_before_gate),
             WEIGHT_FP32=bool(weight_fp32), OUT_DTYPE=_TL_DTYPES[out_dtype],
-            HW_FP8=y.device.type == "cuda" and not _INTERPRETED, num_warps=num_warps)
+            HW_FP8=y.device.type == "cuda" and not _INTERPRETED, num_warps=num_warps,
+            **pdl_launch(y.device, _gated_rmsnorm_fp8_kernel))
     return q, s, out_dtype
 
 

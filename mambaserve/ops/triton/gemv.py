@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import num_sms, pow2
+from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch, pow2
 from mambaserve.ops.triton.activation import relu2_triton, silu_mul_triton
 
 MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any split launch)
@@ -50,7 +50,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                  IEEE: tl.constexpr, ACT: tl.constexpr, HAS_ADD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    await_previous(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -244,5 +245,6 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None):
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=plan["even_k"],
         USE_DOT=plan["use_dot"], IEEE=x.dtype == torch.float32, ACT=act,
         HAS_ADD=add is not None, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
-        BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"])
+        BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"],
+        **pdl_launch(x.device, _gemv_kernel))
     return y

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mambaserve.ops.triton._common import await_previous, pdl_launch
 from mambaserve.ops.triton.conv1d_update import shift_window, window_conv
 from mambaserve.ops.triton.gemv import MAX_COLUMN_BLOCKS, column_counters
 from mambaserve.ops.triton.selective_state_update import (
@@ -36,8 +37,9 @@ def _conv_state_step_kernel(
     y_ptr, cnt_ptr, dt_lo, dt_hi, P, N, G, heads_per_group, d_inner, arrivals,
     xbc_b, xbc_d, cw_d, cw_k, c_slot, c_k, c_d, s_slot, s_h, s_p, s_n, dt_b, dt_h, y_b, y_h,
     y_p, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_previous(PDL)
     row, h, g, slot, valid, offs_p, offs_n = program_tile(slot_ptr, heads_per_group, BLOCK_P,
                                                           BLOCK_N)
     mp_all = offs_p < P
@@ -107,5 +109,5 @@ def conv_state_step_triton(xBC, conv_weight, conv_bias, conv_state, ssm_state, d
         float(dt_limit[0]), float(dt_limit[1]), P, N, G, H // G, d_inner, (H // G) * p_blocks,
         *xBC.stride(), *conv_weight.stride(), *conv_state.stride(), *ssm_state.stride(),
         *dt.stride(), *y.stride(), K=K, HAS_BIAS=conv_bias is not None, BLOCK_P=block_p,
-        BLOCK_N=BLOCK_N, num_warps=num_warps)
+        BLOCK_N=BLOCK_N, num_warps=num_warps, **pdl_launch(xBC.device, _conv_state_step_kernel))
     return y

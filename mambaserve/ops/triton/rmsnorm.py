@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton._common import await_previous, pdl_launch
 from mambaserve.ops.triton.fp8_quant import e4m3_codes, row_scale
 
 # 64 fp32 values per thread and tensor at 16 warps; wider rows would need a looped two-pass kernel
@@ -36,8 +37,9 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, scale_ptr, D, eps,
     x_t, x_d, r_t, r_d, w_d, o_t, s_t,
     HAS_RESIDUAL: tl.constexpr, ADD_NATIVE: tl.constexpr, QUANT: tl.constexpr,
-    HW_FP8: tl.constexpr, BLOCK_D: tl.constexpr,
+    HW_FP8: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)  # row strides of wide strided views can pass 2^31 / T
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -103,7 +105,7 @@ def rms_norm_triton(x, weight, eps, residual=None, quantize=False):
         ADD_NATIVE=x.dtype in (torch.float32, torch.float64) and (residual is None
                                                                   or residual.dtype == x.dtype),
         QUANT=quantize, HW_FP8=x.device.type == "cuda" and not _INTERPRETED,
-        BLOCK_D=BLOCK_D, num_warps=num_warps,
+        BLOCK_D=BLOCK_D, num_warps=num_warps, **pdl_launch(x.device, _rms_norm_kernel),
     )
     return res if s is None else (res, s)
 

@@ -1,0 +1,75 @@
+"""Programmatic dependent launch of the decode-path kernels (`ops/triton/_common.py`,
+MAMBASERVE_PDL=1): off on the CPU / interpreter whatever the switch; on a Hopper GPU a chain of
+dependent launches (norm -> few-rows linear -> norm with residual -> one-launch Mamba decode step)
+computes the same bits with it on as off, eagerly and replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_env import DEV, require_interpreter  # before anything imports triton
+
+from mambaserve.ops.triton._common import PDL_ENV, pdl_launch
+from mambaserve.ops.triton.gemv import gemv_triton
+from mambaserve.ops.triton.mamba_decode_step import conv_state_step_triton
+from mambaserve.ops.triton.rmsnorm import _rms_norm_kernel, rms_norm_triton
+
+require_interpreter(_rms_norm_kernel)
+
+
+def test_off_without_a_compiled_hopper_kernel(monkeypatch):
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert pdl_launch(torch.device("cpu"), _rms_norm_kernel) == {"PDL": False}
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert pdl_launch(torch.device(DEV), _rms_norm_kernel) == {"PDL": False}
+
+
+def _chain(x, w_norm, w_lin, xbc_w, conv_state, ssm_state, dt, A, D, dt_bias, slots):
+    h = rms_norm_triton(x, w_norm, 1e-5)
+    y = gemv_triton(h, w_lin)
+    out, s = rms_norm_triton(y[:, : x.shape[1]], w_norm, 1e-5, x)
+    ys = conv_state_step_triton(y[:, x.shape[1]:], xbc_w, None, conv_state, ssm_state, dt, A, D,
+                                dt_bias, (0.0, float("inf")), slots, 2)
+    return out, s, ys
+
+
+@pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs a Hopper GPU")
+def test_dependent_launches_compute_the_same_bits(monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, P, N, G, Dm = 8, 16, 32, 2, 256
+    conv_dim = H * P + 2 * G * N
+
+    def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    x, w_norm = rnd(2, Dm), rnd(Dm)
+    w_lin = rnd(Dm + conv_dim, Dm, scale=0.05)
+    xbc_w = rnd(conv_dim, 4, scale=0.5)
+    conv0, ssm0 = rnd(5, 3, conv_dim), rnd(5, H, P, N, dtype=torch.float32)
+    dt, A = rnd(2, H), -torch.rand(H, device="cuda") - 0.1
+    D, dt_bias = rnd(H, dtype=torch.float32), rnd(H, dtype=torch.float32)
+    slots = torch.tensor([3, 1], dtype=torch.int32, device="cuda")
+    results = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(PDL_ENV, on)
+        if on == "1":
+            assert pdl_launch(x.device, _rms_norm_kernel).get("launch_pdl") is True
+        conv, ssm = conv0.clone(), ssm0.clone()
+        eager = _chain(x, w_norm, w_lin, xbc_w, conv, ssm, dt, A, D, dt_bias, slots)
+        conv_g, ssm_g = conv0.clone(), ssm0.clone()
+        _chain(x, w_norm, w_lin, xbc_w, conv_g.clone(), ssm_g.clone(), dt, A, D, dt_bias, slots)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = _chain(x, w_norm, w_lin, xbc_w, conv_g, ssm_g, dt, A, D, dt_bias, slots)
+        conv_g.copy_(conv0)
+        ssm_g.copy_(ssm0)
+        graph.replay()
+        torch.cuda.synchronize()
+        results[on] = (eager, (conv, ssm), static, (conv_g, ssm_g))
+    for a, b in zip(torch.utils._pytree.tree_leaves(results["0"]),
+                    torch.utils._pytree.tree_leaves(results["1"])):
+        assert torch.equal(a, b)
+    for a, b in zip(torch.utils._pytree.tree_leaves(results["1"][0]),
+                    torch.utils._pytree.tree_leaves(results["1"][2])):
+        assert torch.equal(a, b)  # the graph replays what the eager launches computed
