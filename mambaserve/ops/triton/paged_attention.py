@@ -37,14 +37,16 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton._common import await_previous, pdl_launch
 
 
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, kv_ptr, slot_ptr, page_size, Hkv, Dh,
     k_t, k_h, k_d, v_t, v_h, v_d, c_kv, c_p, c_s, c_h, c_d,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // page_size
@@ -75,6 +77,7 @@ def write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k, v, kv_cache, slot_mapping, page_size, Hkv, Dh,
         *k.stride(), *v.stride(), *kv_cache.stride(),
         BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, num_warps=num_warps,
+        **pdl_launch(k.device, _write_kv_kernel),
     )
 
 
@@ -86,7 +89,7 @@ def _paged_attention_kernel(
     q_t, q_h, q_d, c_kv, c_p, c_s, c_h, c_d, pt_r, pt_p, o_t, o_h, o_d,
     ml_ptr, acc_ptr, NS, min_split, ml_0, ml_t, ml_h, ml_s, a_t, a_h, a_s, a_d,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IP: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """SPLIT=False: grid (T, H_kv), keys 0..pos, normalized output into out.
 
@@ -96,6 +99,7 @@ def _paged_attention_kernel(
     covers keys [s*S, min((s+1)*S, n)) and writes its max m (ml[0]), sum l (ml[1]) and
     unnormalized acc in fp32 for `_paged_attention_combine_kernel`. An empty partition
     (s*S >= n) writes m = -inf, l = 0, acc = 0."""
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     r = tl.load(row_ptr + t).to(tl.int64)
@@ -158,11 +162,12 @@ def _paged_attention_kernel(
 def _paged_attention_combine_kernel(
     ml_ptr, acc_ptr, out_ptr, NS, Dh,
     ml_0, ml_t, ml_h, ml_s, a_t, a_h, a_s, a_d, o_t, o_h, o_d,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (T, H): merges the NS partitions of one token and query head,
     out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s with M = max_s m_s. Empty partitions
     (m = -inf) get weight 0; partition 0 always holds key 0, so M is finite."""
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
@@ -339,7 +344,7 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
             *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
             out, out, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # scratch unused
             BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=False,
-            num_warps=num_warps,
+            num_warps=num_warps, **pdl_launch(q.device, _paged_attention_kernel),
         )
         return out
     ml = torch.empty((2, T, H, ns), dtype=torch.float32, device=q.device)  # partial m, l
@@ -349,11 +354,12 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
         *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
         ml, acc, ns, min_split, *ml.stride(), *acc.stride(),
         BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=True,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_launch(q.device, _paged_attention_kernel),
     )
     BLOCK_S = triton.next_power_of_2(ns)
     _paged_attention_combine_kernel[(T, H)](
         ml, acc, out, ns, Dh, *ml.stride(), *acc.stride(), *out.stride(),
         BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, num_warps=max(1, min(4, BLOCK_S * BLOCK_D // 1024)),
+        **pdl_launch(q.device, _paged_attention_combine_kernel),
     )
     return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton._common import await_previous, pdl_launch
 
 
 @triton.jit
@@ -54,10 +55,11 @@ def _rotary_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, HQ, HK, QB, D, HALF,
     q_t, q_h, q_d, k_t, k_h, k_d, qo_t, qo_h, qo_d, ko_t, ko_h, ko_d,
     NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_REST: tl.constexpr,
+    BLOCK_REST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (T, QB + cdiv(HK, BLOCK_H)): the first QB head blocks of a token are q's, the rest
     k's."""
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     offs_i = tl.arange(0, BLOCK_HALF)
@@ -97,6 +99,6 @@ def apply_rotary_triton(q, k, cos, sin, rotary_dim, neox=True):
     _rotary_kernel[(T, qb + triton.cdiv(Hk, BLOCK_H))](
         q, k, qo, ko, cos, sin, H, Hk, qb, D, half, *q.stride(), *k.stride(), *qo.stride(),
         *ko.stride(), NEOX=bool(neox), BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF,
-        BLOCK_REST=BLOCK_REST, num_warps=num_warps,
+        BLOCK_REST=BLOCK_REST, num_warps=num_warps, **pdl_launch(q.device, _rotary_kernel),
     )
     return qo, ko
