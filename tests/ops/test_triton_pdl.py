@@ -17,10 +17,21 @@ from mambaserve.ops.triton.rmsnorm import _rms_norm_kernel, rms_norm_triton
 require_interpreter(_rms_norm_kernel)
 
 
+def _switch(monkeypatch, on: str) -> None:
+    monkeypatch.setenv(PDL_ENV, on)
+    pdl_launch.cache_clear()  # the switch is read once per process and device
+
+
+@pytest.fixture(autouse=True)
+def _reread_the_switch():
+    yield
+    pdl_launch.cache_clear()
+
+
 def test_off_without_a_compiled_hopper_kernel(monkeypatch):
-    monkeypatch.setenv(PDL_ENV, "1")
+    _switch(monkeypatch, "1")
     assert pdl_launch(torch.device("cpu"), _rms_norm_kernel) == {"PDL": False}
-    monkeypatch.setenv(PDL_ENV, "0")
+    _switch(monkeypatch, "0")
     assert pdl_launch(torch.device(DEV), _rms_norm_kernel) == {"PDL": False}
 
 
@@ -52,7 +63,7 @@ def test_dependent_launches_compute_the_same_bits(monkeypatch):
     slots = torch.tensor([3, 1], dtype=torch.int32, device="cuda")
     results = {}
     for on in ("0", "1"):
-        monkeypatch.setenv(PDL_ENV, on)
+        _switch(monkeypatch, on)
         if on == "1":
             assert pdl_launch(x.device, _rms_norm_kernel).get("launch_pdl") is True
         conv, ssm = conv0.clone(), ssm0.clone()

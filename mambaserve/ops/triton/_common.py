@@ -50,10 +50,24 @@ def pdl_launch(device: torch.device, kernel) -> dict:
     `PDL` constexpr and Triton's `launch_pdl`) when MAMBASERVE_PDL=1, the GPU is a Hopper or
     newer, the Triton build has it and the kernel is compiled (not interpreted); else PDL off.
     A kernel launched so may be scheduled while the previous kernel of the stream finishes: its
-    first act is `await_previous` (its programs wait there for that kernel's writes)."""
-    on = (os.environ.get(PDL_ENV, "0") == "1" and _PDL_BUILD and device.type == "cuda"
-          and type(kernel).__name__ != "InterpretedFunction" and _hopper(device))
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    first act is `await_previous` (its programs wait there for that kernel's writes). The
+    switch is read once per process and device (`pdl_launch.cache_clear()` reads it again)."""
+    if _pdl_on(device) and type(kernel).__name__ != "InterpretedFunction":
+        return _PDL_ON
+    return _PDL_OFF
+
+
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+_PDL_OFF = {"PDL": False}
+
+
+@functools.cache
+def _pdl_on(device: torch.device) -> bool:
+    return (os.environ.get(PDL_ENV, "0") == "1" and _PDL_BUILD and device.type == "cuda"
+            and _hopper(device))
+
+
+pdl_launch.cache_clear = _pdl_on.cache_clear
 
 
 @functools.cache
