@@ -47,6 +47,10 @@ def _conv_state_step_kernel(
     mp, mn = mp_all & valid, mn_all & valid
     x_row = xbc_ptr + row * xbc_b
     win = conv_ptr + slot * c_slot
+    # the state tile first: its HBM read overlaps the conv work and the arrival below
+    s_ptrs = ssm_ptr + slot * s_slot + h * s_h + offs_p[:, None] * s_p + offs_n[None, :] * s_n
+    m2 = mp[:, None] & mn[None, :]
+    state = tl.load(s_ptrs, mask=m2, other=0.0)
 
     # this program's x channels: conv, rounded as the conv launch stores it; own windows shifted
     ch_x = h * P + offs_p
@@ -72,10 +76,9 @@ def _conv_state_step_kernel(
             shift_window(win + ch_c * c_d, c_in, mn, c_k, K)
             tl.atomic_xchg(cnt_ptr + row * G + g, 0, sem="relaxed", scope="gpu")
 
-    s_ptrs = ssm_ptr + slot * s_slot + h * s_h + offs_p[:, None] * s_p + offs_n[None, :] * s_n
     dt_raw = tl.load(dt_ptr + row * dt_b + h * dt_h).to(tl.float32)
-    y = state_step(s_ptrs, mp[:, None] & mn[None, :], x, Bv, Cv, dt_raw, A_ptr, D_ptr,
-                   dt_bias_ptr, h, dt_lo, dt_hi)
+    y = state_step(state, s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo,
+                   dt_hi)
     y = tl.where(valid, y, 0.0)
     tl.store(y_ptr + row * y_b + h * y_h + offs_p * y_p, y.to(y_ptr.dtype.element_ty),
              mask=mp_all)

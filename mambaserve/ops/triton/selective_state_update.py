@@ -40,7 +40,9 @@ def _ssu_kernel(
     Bv = tl.load(B_ptr + row * B_b + g * B_g + offs_n * B_n, mask=mn, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + row * C_b + g * C_g + offs_n * C_n, mask=mn, other=0.0).to(tl.float32)
     dt_raw = tl.load(dt_ptr + row * dt_b + h * dt_h).to(tl.float32)
-    y = state_step(s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo, dt_hi)
+    state = tl.load(s_ptrs, mask=m2, other=0.0)
+    y = state_step(state, s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo,
+                   dt_hi)
     y = tl.where(valid, y, 0.0)
     tl.store(y_ptr + row * y_b + h * y_h + offs_p * y_p, y.to(y_ptr.dtype.element_ty),
              mask=offs_p < P)
@@ -59,10 +61,12 @@ def program_tile(slot_ptr, heads_per_group, BLOCK_P: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def state_step(s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo, dt_hi):
-    """One head's [BLOCK_P, N] state tile at `s_ptrs` (mask m2) stepped in place with float32
-    x [BLOCK_P], B and C [N] and the raw dt; returns y [BLOCK_P] in float32."""
-    state = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
+def state_step(state, s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo,
+               dt_hi):
+    """One head's [BLOCK_P, N] state tile `state` (as loaded from `s_ptrs`, mask m2) stepped
+    with float32 x [BLOCK_P], B and C [N] and the raw dt, stored back; returns y [BLOCK_P] in
+    float32."""
+    state = state.to(tl.float32)
     dt = softplus_clamp(dt_raw + tl.load(dt_bias_ptr + h).to(tl.float32), dt_lo, dt_hi)
     A = tl.load(A_ptr + h).to(tl.float32)
     Dh = tl.load(D_ptr + h).to(tl.float32)
