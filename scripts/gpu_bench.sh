@@ -4,7 +4,7 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode gemv decode-kernels fp8-serve
+#         latency latency-profile attention-decode gemv decode-kernels fp8-serve fp8-sweep pdl
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -330,6 +330,30 @@ stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a strea
             --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
             --out "$W/latency_$p.json"
     done
+}
+stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL): its GPU test, then batch-1 / 8
+    # latency and the families' decode with it off and on, interleaved (kernels.md)
+    run pdl-tests 120 $PY -m pytest -q -p no:cacheprovider tests/ops/test_triton_pdl.py
+    for i in 1 2; do
+        for on in 0 1; do
+            MAMBASERVE_PDL=$on run "pdl-$on-9b-$i" 200 $MS bench one-batch --preset $PRESET \
+                --device cuda --dtype bfloat16 --batch-size 1,8 --input-len 32,2048 \
+                --output-len 24 --engine enforce_eager=false,async_scheduling=true \
+                --out "$W/pdl_${on}_9b_$i.json"
+        done
+    done
+    for p in $FAMILIES; do
+        for on in 0 1; do
+            MAMBASERVE_PDL=$on run "pdl-$on-$p" 200 $MS bench one-batch --preset $p --device cuda \
+                --dtype bfloat16 --batch-size 1,8 --input-len 2048 --output-len 24 \
+                --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
+                --out "$W/pdl_${on}_$p.json"
+        done
+    done
+}
+stage_fp8-sweep() {  # the FP8 few-rows linear's launch settings and the quantization passes that
+    # feed it (norms writing FP8 rows, the activation in the quantization launch; kernels.md)
+    run fp8-sweep 420 $PY scripts/fp8_gemv_sweep.py --m 1,8 --out "$W/fp8_gemv_sweep.json"
 }
 stage_latency-profile() {  # where a 512-token prompt's prefill step goes, twice (its TTFT has
     # two modes, 22-25 and 43-44 ms), and every Triton compile of the latency sweep
