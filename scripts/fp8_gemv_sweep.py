@@ -1,9 +1,10 @@
 """The FP8 few-rows linear (`ops/triton/fp8_gemv.py`, on pre-quantized rows as the engine runs it)
 over candidate launch settings, and the activation quantization passes that feed it
 (`ops/triton/fp8_quant.py`, the RMSNorm that writes FP8 rows), at the 9B preset's FP8 projections,
-M = 1 and 8 token rows: device time per call through CUDA graphs, each call on its own weight copy
-(the copies together exceed the L2 cache, as in a decode step), weight bytes over time against the
-copy ceiling. Each candidate is checked against the reference math on the same quantized operands
+M = 1, 8 and 64 token rows (the kernel's max_m raised to 64 for the run; the `_scaled_mm` path
+that batches above max_m take beside it): device time per call through CUDA graphs, each call on
+its own weight copy (the copies together exceed the L2 cache, as in a decode step), weight bytes
+over time against the copy ceiling. Each candidate is checked against the reference math on the same quantized operands
 first. Prints tables and writes JSON.
 
     python scripts/fp8_gemv_sweep.py --out fp8_gemv_sweep.json          # on a GPU
@@ -20,7 +21,13 @@ import torch
 from mambaserve.bench.graph_timing import graph_time_us
 from mambaserve.bench.roofline import copy_ceiling
 from mambaserve.ops.activation import relu2
-from mambaserve.ops.fp8_matmul import Fp8Rows, fp8_linear_ref, quantize_fp8, quantize_weight_fp8
+from mambaserve.ops.fp8_matmul import (
+    Fp8Rows,
+    _fp8_linear_scaled_mm,
+    fp8_linear_ref,
+    quantize_fp8,
+    quantize_weight_fp8,
+)
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
 from mambaserve.ops.rmsnorm import rms_norm
 from mambaserve.ops.triton import tuning
@@ -71,7 +78,9 @@ DOT = [  # tensor-core launches (M = 8)
 
 def candidates(M: int) -> list[dict]:
     """FMA launches and the tensor-core ones for one or two rows; tensor-core ones above."""
-    return FMA + DOT[:5] + DOT[7:11] if M <= 2 else DOT
+    if M <= 2:
+        return FMA + DOT[:5] + DOT[7:11]
+    return DOT if M <= 8 else DOT[:11]  # no CUDA-core launch for many rows
 
 
 def sweep_gemv(ceiling: float, ms: list[int]) -> list[dict]:
@@ -84,10 +93,17 @@ def sweep_gemv(ceiling: float, ms: list[int]) -> list[dict]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             q, s = quantize_fp8(x)
             want = fp8_linear_ref(Fp8Rows(q, s, x.dtype), ws[0][0], ws[0][1]).float()
+            rows_ = Fp8Rows(q, s, x.dtype)  # the path batches above max_m take today
+            t_mm = graph_time_us(fns=[lambda w=w, sc=sc: _fp8_linear_scaled_mm(
+                rows_, w, sc, None, None) for w, sc in ws])
+            row = {"op": name, "M": M, "K": K, "N": N, "knobs": "scaled_mm", "us": t_mm,
+                   "pct": 100 * N * K / (t_mm * 1e-6) / ceiling}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
             for knobs in candidates(M):
                 row = {"op": name, "M": M, "K": K, "N": N, "knobs": knobs}
                 try:
-                    with tuning.override("fp8_gemv", **{"dot_min_m": 99, **knobs}):
+                    with tuning.override("fp8_gemv", **{"dot_min_m": 99, "max_m": 64, **knobs}):
                         got = fp8_gemv_triton(q, ws[0][0], ws[0][1], x_scale=s,
                                               out_dtype=x.dtype).float()
                         err = ((got - want).abs() / (want.abs() + 1e-2)).max().item()
@@ -149,7 +165,7 @@ def _with(kernel, knobs, fn):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--m", default="1,8")
+    ap.add_argument("--m", default="1,8,64")
     ap.add_argument("--only", choices=["gemv", "quant"], default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

@@ -353,7 +353,7 @@ stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL): its GPU test, t
 }
 stage_fp8-sweep() {  # the FP8 few-rows linear's launch settings and the quantization passes that
     # feed it (norms writing FP8 rows, the activation in the quantization launch; kernels.md)
-    run fp8-sweep 420 $PY scripts/fp8_gemv_sweep.py --m 1,8 --out "$W/fp8_gemv_sweep.json"
+    run fp8-sweep 540 $PY scripts/fp8_gemv_sweep.py --m 1,8,64 --out "$W/fp8_gemv_sweep.json"
 }
 stage_latency-profile() {  # where a 512-token prompt's prefill step goes, twice (its TTFT has
     # two modes, 22-25 and 43-44 ms), and every Triton compile of the latency sweep
