@@ -9,7 +9,7 @@ import pytest
 import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
-from mambaserve.ops.triton._common import PDL_ENV, pdl_launch
+from mambaserve.ops.triton._common import _PDL_BUILD, PDL_ENV, pdl_launch
 from mambaserve.ops.triton.gemv import gemv_triton
 from mambaserve.ops.triton.mamba_decode_step import conv_state_step_triton
 from mambaserve.ops.triton.rmsnorm import _rms_norm_kernel, rms_norm_triton
@@ -44,8 +44,9 @@ def _chain(x, w_norm, w_lin, xbc_w, conv_state, ssm_state, dt, A, D, dt_bias, sl
     return out, s, ys
 
 
-@pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability() < (9, 0),
-                    reason="programmatic dependent launch needs a Hopper GPU")
+@pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability() < (9, 0)
+                    or not _PDL_BUILD,
+                    reason="programmatic dependent launch needs a Hopper GPU and a Triton with it")
 def test_dependent_launches_compute_the_same_bits(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(0)
     H, P, N, G, Dm = 8, 16, 32, 2, 256
