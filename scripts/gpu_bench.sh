@@ -405,7 +405,8 @@ stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch
     run fp8-tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_fp8_matmul.py \
         tests/layers/test_fp8_linear.py
     # the few-rows kernel (ops/triton/fp8_gemv.py), the decode default: its GPU tests
-    run fp8-gemv-tests 300 $PY -m pytest -q -p no:cacheprovider tests/ops/test_triton_fp8_gemv.py
+    run fp8-gemv-tests 300 $PY -m pytest -q -p no:cacheprovider tests/ops/test_triton_fp8_gemv.py \
+        tests/ops/test_triton_fp8_quant.py
     [ -n "${FP8_QUICK:-}" ] || run fp8-audit 120 $MS audit-syncs --device cuda --dtype bfloat16 --quantization fp8
     [ -n "${FP8_QUICK:-}" ] || MAMBASERVE_FP8_GEMV=0 run fp8-scaled-mm-audit 120 $MS audit-syncs \
         --device cuda --dtype bfloat16 --quantization fp8
