@@ -136,3 +136,14 @@ def test_public_gated_rmsnorm_returns_fp8_rows():
         assert isinstance(rows, Fp8Rows) and rows.dtype == out.dtype
         qr, sr = quantize_fp8_ref(out)
         assert torch.equal(rows.scale, sr) and torch.equal(_codes(rows.q), _codes(qr))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the FP8 GEMM paths run on the GPU")
+@pytest.mark.parametrize("M", [1, 8, 64])  # the few-rows kernel, and _scaled_mm above max_m
+def test_gpu_fp8_linear_on_fp8_rows_equals_quantizing_inside(M):
+    from mambaserve.ops.fp8_matmul import fp8_linear, quantize_rows, quantize_weight_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, 4480, device="cuda", generator=gen).to(torch.bfloat16)
+    wq, ws = quantize_weight_fp8(torch.randn(1536, 4480, device="cuda", generator=gen) * 0.02)
+    assert torch.equal(fp8_linear(quantize_rows(x), wq, ws), fp8_linear(x, wq, ws))
