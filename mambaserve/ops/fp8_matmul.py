@@ -65,10 +65,6 @@ class Fp8Rows(NamedTuple):
     def device(self) -> torch.device:
         return self.q.device
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 values the codes stand for (q * scale)."""
-        return self.q.float() * self.scale
-
 
 def quantize_fp8_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None,
                      act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

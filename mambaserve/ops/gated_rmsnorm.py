@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mambaserve.ops.dispatch import kernel_path
-from mambaserve.ops.fp8_matmul import Fp8Rows, quantize_fp8_ref, quantize_rows
+from mambaserve.ops.fp8_matmul import Fp8Rows, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,8 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_
                                                                            group_size):
             return Fp8Rows(*gated_rmsnorm_fp8_triton(*args))
         return quantize_rows(gated_rmsnorm_triton(*args))
-    if not quantize:
-        return _into(out, gated_rmsnorm_ref(*args))
     ref = gated_rmsnorm_ref(*args)
-    return Fp8Rows(*quantize_fp8_ref(ref), ref.dtype)
+    return quantize_rows(ref) if quantize else _into(out, ref)
 
 
 def gated_silu(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor | None = None

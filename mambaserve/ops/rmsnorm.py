@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mambaserve.ops.dispatch import kernel_path
-from mambaserve.ops.fp8_matmul import Fp8Rows, quantize_fp8_ref
+from mambaserve.ops.fp8_matmul import Fp8Rows, quantize_rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -33,21 +33,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Returns out [T, D] in x.dtype (`quantize`: as `Fp8Rows`), or (out, s) with s = residual + x
     (in residual's dtype) when residual is given; out normalizes s rounded to x.dtype.
     """
-    if kernel_path("rms_norm", x.device) == "triton" and (
-            not quantize or kernel_path("fp8_quant", x.device) == "triton"):
+    fused = quantize and kernel_path("fp8_quant", x.device) == "triton"
+    if kernel_path("rms_norm", x.device) == "triton":
         from mambaserve.ops.triton.rmsnorm import rms_norm_triton
 
-        res = rms_norm_triton(x, weight, eps, residual, quantize)
-        if not quantize:
-            return res
-        (q, scale), s = res if residual is not None else (res, None)
-        rows = Fp8Rows(q, scale, x.dtype)
-        return rows if residual is None else (rows, s)
-    res = rms_norm_ref(x, weight, eps, residual)
+        res = rms_norm_triton(x, weight, eps, residual, fused)
+    else:
+        res = rms_norm_ref(x, weight, eps, residual)
     if not quantize:
         return res
     out, s = res if residual is not None else (res, None)
-    rows = Fp8Rows(*quantize_fp8_ref(out), out.dtype)
+    # the kernel's FP8 output, or the normalized rows quantized as `fp8_linear` would
+    rows = Fp8Rows(*out, x.dtype) if fused else quantize_rows(out)
     return rows if residual is None else (rows, s)
 
 
