@@ -50,6 +50,9 @@ class PrefillMetadata:
     # prefix-cache restores, run before the first layer
     restore_src: torch.Tensor  # [num_restores] cached snapshot slots
     restore_dst: torch.Tensor  # [num_restores] live slots they are copied into
+    # host: (first token, tokens, context_len) of each prefill row, for the attention's choice of
+    # kernel per row (ops/paged_attention.py); None in a captured graph (one launch for all)
+    row_spans: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass
@@ -108,6 +111,7 @@ class HostMetadata:
     num_decode_snapshots: int
     num_restores: int
     arrays: dict[str, np.ndarray]  # names are ForwardMetadata / PrefillMetadata fields
+    row_spans: tuple[tuple[int, int, int], ...] = ()  # PrefillMetadata.row_spans
 
     def on_device(self, tensors: dict[str, torch.Tensor]) -> ForwardMetadata:
         """The metadata over `tensors` (the uploaded arrays, possibly among other parts)."""
@@ -118,7 +122,7 @@ class HostMetadata:
                 num_rows=self.num_prefills, num_tokens=self.num_prefill_tokens,
                 num_chunks=self.num_chunks, num_snapshots=self.num_prefill_snapshots,
                 num_restores=self.num_restores,
-                state_slots=t["state_slots"][: self.num_prefills],
+                state_slots=t["state_slots"][: self.num_prefills], row_spans=self.row_spans,
                 **{name: t[name] for name in _PREFILL_ARRAYS})
         return ForwardMetadata(
             num_tokens=self.num_tokens, num_decodes=self.num_decodes, max_kv_len=self.max_kv_len,
@@ -199,7 +203,8 @@ def plan_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size:
         num_prefills=P, num_prefill_tokens=Tp, num_decodes=len(batch.decodes), num_tokens=T,
         num_chunks=num_chunks, max_kv_len=max_kv_len, num_prefill_snapshots=num_snaps,
         num_decode_snapshots=sum(1 for d in decode_snap_dst if d >= 0),
-        num_restores=num_restores, arrays=arrays)
+        num_restores=num_restores, arrays=arrays,
+        row_spans=tuple((int(starts[i]), int(lens[i]), int(ctx[i])) for i in range(P)))
 
 
 def _prefill_arrays(batch: Batch, lens: np.ndarray, starts: np.ndarray, ctx: np.ndarray,

@@ -35,6 +35,14 @@ def test_chunks_split_at_absolute_multiples_and_never_span_rows():
     assert positions[-1] == 9 and m.state_slots.tolist() == [0, 1, 2, 3]
 
 
+def test_row_spans_of_the_prefill_rows():
+    """(first token, tokens, context_len) of each prefill row, for the attention's choice of
+    kernel; decode rows have none."""
+    rows = [R([1, 2, 3], 5, 0, True, [0, 1]), R([4] * 6, 0, 1, False, [2, 3])]
+    m = build(rows, [R([1], 9, 2, True, [4, 5, 6])])
+    assert m.prefill.row_spans == ((0, 3, 5), (3, 6, 0))
+
+
 def test_conv_windows_and_pages():
     rows = [R([10, 11], 6, 0, True, [3, 7]), R([20, 21, 22, 23, 24], 0, 1, False, [5, 2])]
     m = build(rows)

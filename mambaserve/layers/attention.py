@@ -22,7 +22,7 @@ from mambaserve.layers.scaling import scale_linear_
 from mambaserve.layers.stacked_linear import stacked_linear
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.linear import linear
-from mambaserve.ops.paged_attention import paged_attention, write_kv
+from mambaserve.ops.paged_attention import DenseRows, paged_attention, write_kv
 from mambaserve.ops.rotary import apply_rotary, rotary_cos_sin
 
 
@@ -118,9 +118,11 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, k, meta.positions, self.rope_theta, self.rotary_dim,
                                 cos_sin=rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        spans = meta.prefill.row_spans if meta.prefill is not None else None
         out = paged_attention(q, kv_cache, meta.page_table, meta.token_row, meta.positions,
                               meta.max_kv_len, self.scale, meta.num_prefill_tokens,
-                              None if into is None else into.view(q.shape))
+                              None if into is None else into.view(q.shape),
+                              dense=None if spans is None else DenseRows(k, v, spans))
         if into is not None:
             return into
         out = out.reshape(T, -1)

@@ -7,13 +7,70 @@ flat offset for each new token (host-built).
 
 One function serves prefill, chunked prefill and decode: every query token t of row `token_row[t]`
 at absolute position `positions[t]` attends to the row's cached keys at positions <= positions[t].
+
+Prefill rows with no cached keys (the row starts at position 0 in this step, so its keys are
+exactly the step's new K/V) of at least `DENSE_MIN_TOKENS` tokens may instead run as dense causal
+attention over those K/V (`dense`): torch's scaled_dot_product_attention, flash attention on a
+GPU, about 4x the tiled paged kernel on such rows (docs/kernels.md, "Prefill attention").
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 from mambaserve.ops.dispatch import kernel_path
+
+# The shortest fresh prefill row that runs dense (shorter rows stay in the one paged launch of
+# the step's other prefill tokens: a launch per short row costs more than it saves)
+DENSE_MIN_TOKENS = 256
+
+
+class DenseRows(NamedTuple):
+    """What the dense path of `paged_attention` needs: the step's new keys and values
+    [T, H_kv, head_dim] (as written to the pool) and the host spans (first token, tokens,
+    context_len) of its prefill rows (`PrefillMetadata.row_spans`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    row_spans: tuple[tuple[int, int, int], ...]
+
+
+def prefill_segments(row_spans: tuple[tuple[int, int, int], ...], num_prefill_tokens: int,
+                     min_tokens: int) -> list[tuple[int, int, int]]:
+    """The prefill tokens [0, num_prefill_tokens) cut into runs of consecutive rows, in order:
+    (start, end, L) with L > 0 for a run of fresh rows of L tokens each (no cached keys, L >=
+    min_tokens: dense attention as [rows, L] blocks), L = 0 for a run of every other row (the
+    paged kernel, one launch). Host ints only."""
+    out: list[tuple[int, int, int]] = []
+    covered = 0
+    for start, n, context in row_spans:
+        if start != covered or n < 0:
+            raise ValueError(f"prefill row spans are not consecutive at token {start}")
+        covered = start + n
+        if n == 0:
+            continue
+        L = n if context == 0 and n >= min_tokens else 0
+        if out and out[-1][2] == L and out[-1][1] == start:
+            out[-1] = (out[-1][0], start + n, L)
+        else:
+            out.append((start, start + n, L))
+    if covered != num_prefill_tokens:
+        raise ValueError(f"prefill row spans cover {covered} tokens, not {num_prefill_tokens}")
+    return out
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, L: int,
+                           scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Rows of L tokens each, every row attending causally to its own keys only: q [n L, H, D],
+    k / v [n L, H_kv, D] -> written into out [n L, H, D] (any strides) and returned."""
+    n = q.shape[0] // L
+    qd, kd, vd = (t.reshape(n, L, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return out.view(n, L, q.shape[1], q.shape[2]).copy_(o.transpose(1, 2))
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -39,6 +96,7 @@ def paged_attention(
     scale: float,
     num_prefill_tokens: int = 0,
     out: torch.Tensor | None = None,
+    dense: DenseRows | None = None,
 ) -> torch.Tensor:
     """q: [T, H, head_dim]; page_table: [R, max_pages] int64; token_row, positions: [T] int64;
     max_kv_len: host int >= every row's length after this forward; num_prefill_tokens: host int,
@@ -49,7 +107,8 @@ def paged_attention(
     On CUDA the prefill tokens go to the tiled kernel (a block of consecutive tokens shares each
     K/V load: flash-attention style) and the decode tokens to the per-token kernel (one program
     per token and KV head, split over the keys when that is too few programs), each writing its
-    rows of one output."""
+    rows of one output. With `dense` (a 16-bit q), fresh prefill rows of >= DENSE_MIN_TOKENS
+    tokens run dense instead (`prefill_segments`; module docstring)."""
     if kernel_path("paged_attention", q.device) == "triton":
         from mambaserve.ops.triton.paged_attention import paged_attention_triton
 
@@ -59,8 +118,17 @@ def paged_attention(
                                           max_kv_len, scale, out=out)
         if out is None:
             out = torch.empty_like(q)  # each kernel writes its own rows: no concatenation
-        paged_attention_triton(q[:Tp], kv_cache, page_table, token_row[:Tp], positions[:Tp],
-                               max_kv_len, scale, tiled=True, out=out[:Tp])
+        # float32 has no flash kernel (the SDPA fallback would hold [H, L, L] scores)
+        segments = [(0, Tp, 0)]
+        if dense is not None and q.dtype in (torch.bfloat16, torch.float16):
+            segments = prefill_segments(dense.row_spans, Tp, DENSE_MIN_TOKENS)
+        for a, b, L in segments:
+            if L:
+                dense_causal_attention(q[a:b], dense.k[a:b], dense.v[a:b], L, scale, out[a:b])
+            else:
+                paged_attention_triton(q[a:b], kv_cache, page_table, token_row[a:b],
+                                       positions[a:b], max_kv_len, scale, tiled=True,
+                                       out=out[a:b])
         if Tp < q.shape[0]:
             paged_attention_triton(q[Tp:], kv_cache, page_table, token_row[Tp:], positions[Tp:],
                                    max_kv_len, scale, out=out[Tp:])

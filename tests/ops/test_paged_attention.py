@@ -7,7 +7,12 @@ import pytest
 import torch
 from naive import gen, meta_for, naive_causal_attention, randn, row, row_spans
 
-from mambaserve.ops.paged_attention import paged_attention, write_kv
+from mambaserve.ops.paged_attention import (
+    dense_causal_attention,
+    paged_attention,
+    prefill_segments,
+    write_kv,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 PAGE = 4
@@ -151,3 +156,37 @@ def test_prefill_and_decode_tokens_split_between_kernels_on_gpu(dtype):
     torch.testing.assert_close(paged_attention(q[Tp:], kv, meta.page_table, meta.token_row[Tp:],
                                                meta.positions[Tp:], meta.max_kv_len, Dh ** -0.5),
                                ref[Tp:], **tol)
+
+
+def test_prefill_segments_runs_of_rows():
+    """Fresh rows of >= min_tokens: dense blocks, consecutive equal lengths merged; every other
+    row (a cached prefix, too short) in paged runs, consecutive ones merged; empty rows skipped."""
+    spans = ((0, 300, 0), (300, 300, 0), (600, 100, 0), (700, 0, 0), (700, 50, 8),
+             (750, 300, 0), (1050, 400, 0), (1450, 300, 16))
+    assert prefill_segments(spans, 1750, 256) == [
+        (0, 600, 300), (600, 750, 0), (750, 1050, 300), (1050, 1450, 400), (1450, 1750, 0)]
+    assert prefill_segments(spans, 1750, 10_000) == [(0, 1750, 0)]
+    assert prefill_segments((), 0, 1) == []
+
+
+@pytest.mark.parametrize("spans,tokens", [(((0, 4, 0), (5, 3, 0)), 8), (((0, 4, 0),), 5)])
+def test_prefill_segments_refuses_spans_that_do_not_tile_the_prefill(spans, tokens):
+    with pytest.raises(ValueError, match="prefill row spans"):
+        prefill_segments(spans, tokens, 1)
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (3, 3)])
+def test_dense_causal_attention_matches_naive(H, Hkv):
+    """Rows of L tokens attending to their own keys, into a strided output (a column slice of a
+    wider buffer, as Falcon-H1's mixer output)."""
+    g = gen("dense", H, Hkv)
+    n, L, Dh = 3, 6, 8
+    q, k, v = randn(g, n * L, H, Dh), randn(g, n * L, Hkv, Dh), randn(g, n * L, Hkv, Dh)
+    wide = torch.full((n * L, H * Dh + 5), float("nan"))
+    out = wide[:, 5:].view(n * L, H, Dh)
+    got = dense_causal_attention(q, k, v, L, 0.3, out)
+    assert got.data_ptr() == out.data_ptr() and not wide[:, 5:].isnan().any()
+    for r in range(n):
+        t = slice(r * L, (r + 1) * L)
+        want = naive_causal_attention(q[t], k[t], v[t], torch.arange(L), 0.3)
+        torch.testing.assert_close(out[t].double(), want, **TOL)

@@ -13,10 +13,11 @@ import pytest
 import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
+import mambaserve.ops.paged_attention as public_pa
 import mambaserve.ops.triton.paged_attention as tpa
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import build_metadata
-from mambaserve.ops.paged_attention import paged_attention_ref
+from mambaserve.ops.paged_attention import DenseRows, paged_attention_ref
 from mambaserve.ops.paged_attention import write_kv as write_kv_any
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.paged_attention import (
@@ -50,12 +51,13 @@ def _row(n, ctx, slot, pages):
 
 
 def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, max_kv_len=None,
-         split_at_prefill=False, tiled=False, **knobs):
+         split_at_prefill=False, tiled=False, dense=False, **knobs):
     """prefills / decodes: (context_len, new tokens). Writes every cached prefix with one
     forward, then runs the mixed batch; checks the pool and the attention output. `max_kv_len`
     overrides the bound given to the kernel (the reference always gets the metadata's).
     `split_at_prefill`: as the public op on CUDA, the tiled kernel writes the prefill rows and the
-    per-token kernel the decode rows of one output tensor. `knobs`: the `tuning` entry of the
+    per-token kernel the decode rows of one output tensor. `dense`: the public op's kernel path
+    with the step's K/V and row spans (fresh long rows through SDPA). `knobs`: the `tuning` entry of the
     kernel that runs ("paged_attention_tiled" when `tiled`, else "paged_attention"; with
     `split_at_prefill` they go to the per-token kernel and the tiled one takes 32-row tiles)."""
     g = torch.Generator().manual_seed(seed)
@@ -113,6 +115,12 @@ def _run(prefills, decodes, page_size, H, Hkv, Dh, dtype, seed=0, max_kv_len=Non
         with tuning.override("paged_attention", **knobs):
             paged_attention_triton(q[Tp:], kv_tri, meta.page_table, meta.token_row[Tp:],
                                    meta.positions[Tp:], bound, scale, out=out[Tp:])
+    elif dense:
+        out = torch.full_like(q, float("nan"))  # every row must be written
+        got = public_pa.paged_attention(
+            q, kv_tri, meta.page_table, meta.token_row, meta.positions, bound, scale,
+            meta.num_prefill_tokens, out, dense=DenseRows(k_new, v_new, meta.prefill.row_spans))
+        assert got.data_ptr() == out.data_ptr()
     else:
         with tuning.override("paged_attention_tiled" if tiled else "paged_attention", **knobs):
             out = paged_attention_triton(q, kv_tri, meta.page_table, meta.token_row,
@@ -169,6 +177,35 @@ def test_paged_attention_tiled_tiles(rep, block_m):
     out, ref = _run(prefills, decodes, 4, 2 * rep, 2, 16, torch.float32, seed=rep,
                     tiled=True, block_m=block_m)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_public_op_runs_fresh_long_rows_dense(monkeypatch):
+    """The public op's kernel path with the step's K/V: fresh rows of >= DENSE_MIN_TOKENS
+    tokens (here 8) through SDPA, two equal-length ones as one [2, L] block; a fresh short row,
+    rows continuing a cached prefix and the decode rows through the paged kernels; one output,
+    every row written, against the reference."""
+    monkeypatch.setattr(public_pa, "kernel_path", lambda op, device, **kw: "triton")
+    monkeypatch.setattr(public_pa, "DENSE_MIN_TOKENS", 8)
+    calls = []
+    dense_attention = public_pa.dense_causal_attention
+    monkeypatch.setattr(public_pa, "dense_causal_attention",
+                        lambda q, *a: calls.append((q.shape[0], a[2])) or dense_attention(q, *a))
+    prefills = [(0, 9), (0, 9), (5, 9), (0, 3), (0, 12), (16, 3)]
+    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
+    tol = 1e-2 if DEV == "cpu" else 2e-2
+    out, ref = _run(prefills, DECODES, 4, 8, 2, 64, dtype, seed=11, dense=True)
+    assert calls == [(18, 9), (12, 12)]  # (tokens, row length) of each dense block
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="flash attention and the 9B shape: GPU only")
+def test_public_op_dense_rows_at_the_9b_shape_on_gpu():
+    """The default threshold at Nemotron-Nano-9B-v2's attention shape in bf16: two fresh
+    300-token rows as one flash block, a continued row, a short fresh row, decode rows."""
+    prefills = [(0, 300), (0, 300), (40, 77), (0, 20)]
+    out, ref = _run(prefills, [(500, 1), (3, 1)], 16, 40, 8, 128, torch.bfloat16, seed=5,
+                    dense=True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("tiled", [False, True])
