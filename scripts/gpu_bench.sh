@@ -4,7 +4,7 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode gemv decode-kernels fp8-serve fp8-sweep pdl
+#         latency latency-profile attention-decode gemv decode-kernels fp8-serve fp8-sweep pdl dense-attn
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -348,6 +348,28 @@ stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL): its GPU test, t
                 --dtype bfloat16 --batch-size 1,8 --input-len 2048 --output-len 24 \
                 --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
                 --out "$W/pdl_${on}_$p.json"
+        done
+    done
+}
+stage_dense-attn() {  # fresh prefill rows through SDPA (MAMBASERVE_DENSE_PREFILL) off and on,
+    # interleaved: its GPU tests, the 9B's batch-1 TTFTs and 8x2048, the families' 1 / 8 x 2048
+    run dense-attn-tests 200 $PY -m pytest -q -p no:cacheprovider \
+        tests/ops/test_triton_paged_attention.py -k dense
+    for i in 1 2; do
+        for on in 0 1; do
+            MAMBASERVE_DENSE_PREFILL=$on run "dense-$on-9b-$i" 200 $MS bench one-batch \
+                --preset $PRESET --device cuda --dtype bfloat16 --batch-size 1,8 \
+                --input-len 512,2048 --output-len 4 \
+                --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
+                --out "$W/dense_${on}_9b_$i.json"
+        done
+    done
+    for p in falcon-h1-7b granite-4.0-h-micro; do  # the families with attention
+        for on in 0 1; do
+            MAMBASERVE_DENSE_PREFILL=$on run "dense-$on-$p" 200 $MS bench one-batch --preset $p \
+                --device cuda --dtype bfloat16 --batch-size 1,8 --input-len 2048 --output-len 4 \
+                --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
+                --out "$W/dense_${on}_$p.json"
         done
     done
 }

@@ -16,6 +16,7 @@ GPU, about 4x the tiled paged kernel on such rows (docs/kernels.md, "Prefill att
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,8 @@ from mambaserve.ops.dispatch import kernel_path
 # The shortest fresh prefill row that runs dense (shorter rows stay in the one paged launch of
 # the step's other prefill tokens: a launch per short row costs more than it saves)
 DENSE_MIN_TOKENS = 256
+# The switch of the dense path: on unless this environment variable is "0" (for A/B runs)
+DENSE_PREFILL_ENV = "MAMBASERVE_DENSE_PREFILL"
 
 
 class DenseRows(NamedTuple):
@@ -107,8 +110,9 @@ def paged_attention(
     On CUDA the prefill tokens go to the tiled kernel (a block of consecutive tokens shares each
     K/V load: flash-attention style) and the decode tokens to the per-token kernel (one program
     per token and KV head, split over the keys when that is too few programs), each writing its
-    rows of one output. With `dense` (a 16-bit q), fresh prefill rows of >= DENSE_MIN_TOKENS
-    tokens run dense instead (`prefill_segments`; module docstring)."""
+    rows of one output. With `dense` (a 16-bit q; unless MAMBASERVE_DENSE_PREFILL=0), fresh
+    prefill rows of >= DENSE_MIN_TOKENS tokens run dense instead (`prefill_segments`; module
+    docstring)."""
     if kernel_path("paged_attention", q.device) == "triton":
         from mambaserve.ops.triton.paged_attention import paged_attention_triton
 
@@ -120,7 +124,8 @@ def paged_attention(
             out = torch.empty_like(q)  # each kernel writes its own rows: no concatenation
         # float32 has no flash kernel (the SDPA fallback would hold [H, L, L] scores)
         segments = [(0, Tp, 0)]
-        if dense is not None and q.dtype in (torch.bfloat16, torch.float16):
+        if (dense is not None and q.dtype in (torch.bfloat16, torch.float16)
+                and os.environ.get(DENSE_PREFILL_ENV, "1") != "0"):
             segments = prefill_segments(dense.row_spans, Tp, DENSE_MIN_TOKENS)
         for a, b, L in segments:
             if L:

@@ -196,6 +196,11 @@ def test_public_op_runs_fresh_long_rows_dense(monkeypatch):
     out, ref = _run(prefills, DECODES, 4, 8, 2, 64, dtype, seed=11, dense=True)
     assert calls == [(18, 9), (12, 12)]  # (tokens, row length) of each dense block
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    calls.clear()
+    monkeypatch.setenv(public_pa.DENSE_PREFILL_ENV, "0")  # switched off: every row paged
+    out, ref = _run(prefills, DECODES, 4, 8, 2, 64, dtype, seed=11, dense=True)
+    assert calls == []
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="flash attention and the 9B shape: GPU only")
