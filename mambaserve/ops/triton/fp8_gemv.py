@@ -41,7 +41,13 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch, pow2
+from mambaserve.ops.triton._common import (
+    await_previous,
+    num_sms,
+    pdl_launch,
+    pow2,
+    prefetch_tile_l2,
+)
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
 from mambaserve.ops.triton.gemv import split_scratch
 
@@ -78,13 +84,17 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
                      HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
                      NUM_STAGES: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr):
-    await_previous(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PDL == 2:  # the weight tile is constant: into L2 while the previous kernel finishes
+        prefetch_tile_l2(w_ptr, cols, N, stride_wn, k_lo, k_hi, 16)
+    await_previous(PDL)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     # the rows' scales: every program computes them (x is small and sits in L2)
     if PREQUANT:  # x holds the e4m3 codes already, in_scale_ptr one scale per row
@@ -99,8 +109,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
         sx = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), 1e-12),
                             tl.full([BLOCK_M], 448.0, dtype=tl.float32))
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     ks = tl.arange(0, BLOCK_K)
     if USE_DOT:
