@@ -41,6 +41,13 @@ class DenseRows(NamedTuple):
     row_spans: tuple[tuple[int, int, int], ...]
 
 
+def flash_shaped(q: torch.Tensor) -> bool:
+    """Queries SDPA serves with flash attention: 16-bit, head_dim a multiple of 8 up to 256. Its
+    fallbacks for others (float32 above all) would hold [rows, H, L, L] scores."""
+    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 \
+        and q.shape[-1] <= 256
+
+
 def prefill_segments(row_spans: tuple[tuple[int, int, int], ...], num_prefill_tokens: int,
                      min_tokens: int) -> list[tuple[int, int, int]]:
     """The prefill tokens [0, num_prefill_tokens) cut into runs of consecutive rows, in order:
@@ -110,7 +117,7 @@ def paged_attention(
     On CUDA the prefill tokens go to the tiled kernel (a block of consecutive tokens shares each
     K/V load: flash-attention style) and the decode tokens to the per-token kernel (one program
     per token and KV head, split over the keys when that is too few programs), each writing its
-    rows of one output. With `dense` (a 16-bit q; unless MAMBASERVE_DENSE_PREFILL=0), fresh
+    rows of one output. With `dense` (`flash_shaped` q; unless MAMBASERVE_DENSE_PREFILL=0), fresh
     prefill rows of >= DENSE_MIN_TOKENS tokens run dense instead (`prefill_segments`; module
     docstring)."""
     if kernel_path("paged_attention", q.device) == "triton":
@@ -122,10 +129,9 @@ def paged_attention(
                                           max_kv_len, scale, out=out)
         if out is None:
             out = torch.empty_like(q)  # each kernel writes its own rows: no concatenation
-        # float32 has no flash kernel (the SDPA fallback would hold [H, L, L] scores)
         segments = [(0, Tp, 0)]
-        if (dense is not None and q.dtype in (torch.bfloat16, torch.float16)
-                and os.environ.get(DENSE_PREFILL_ENV, "1") != "0"):
+        if dense is not None and flash_shaped(q) and os.environ.get(DENSE_PREFILL_ENV,
+                                                                    "1") != "0":
             segments = prefill_segments(dense.row_spans, Tp, DENSE_MIN_TOKENS)
         for a, b, L in segments:
             if L:

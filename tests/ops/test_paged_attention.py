@@ -9,6 +9,7 @@ from naive import gen, meta_for, naive_causal_attention, randn, row, row_spans
 
 from mambaserve.ops.paged_attention import (
     dense_causal_attention,
+    flash_shaped,
     paged_attention,
     prefill_segments,
     write_kv,
@@ -190,3 +191,11 @@ def test_dense_causal_attention_matches_naive(H, Hkv):
         t = slice(r * L, (r + 1) * L)
         want = naive_causal_attention(q[t], k[t], v[t], torch.arange(L), 0.3)
         torch.testing.assert_close(out[t].double(), want, **TOL)
+
+
+def test_only_flash_shaped_queries_run_dense():
+    """16-bit, head_dim a multiple of 8 up to 256: what SDPA serves with flash attention."""
+    for dtype, d, ok in [(torch.bfloat16, 128, True), (torch.float16, 64, True),
+                         (torch.float32, 128, False), (torch.bfloat16, 80, True),
+                         (torch.bfloat16, 100, False), (torch.bfloat16, 512, False)]:
+        assert flash_shaped(torch.empty(3, 2, d, dtype=dtype)) is ok, (dtype, d)
