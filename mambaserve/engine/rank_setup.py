@@ -24,7 +24,6 @@ from mambaserve.config import (
     resolve_dtype,
 )
 from mambaserve.distributed.group import TPGroup
-from mambaserve.distributed.sharding import shard_model
 from mambaserve.engine.runner import ModelRunner
 from mambaserve.layers.attention import Attention
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
@@ -158,8 +157,7 @@ def build_rank(path: str | Path, config: EngineConfig, model_config: ModelConfig
     dtype = resolve_dtype(config.dtype, model_config, device.type)
     ssm_dtype = resolve_dtype(config.mamba_ssm_dtype)
     model = load_model(Path(path), dtype, device, model_config, config.load_format, config.seed,
-                       config.quantization, config.quantization_exclude)
-    shard_model(model, tp)
+                       config.quantization, config.quantization_exclude, tp=tp)
     for m in model.modules():  # q, k, v as one GEMM per attention layer (after sharding)
         if isinstance(m, Attention):
             m.pack_qkv()

@@ -1,6 +1,9 @@
 """Load an HF-format checkpoint folder (config.json + safetensors, single file or sharded) into
 our model: build it on the meta device, materialize it on the target device in the target dtype,
-then copy every checkpoint tensor into its parameter, checking names and shapes."""
+then copy every checkpoint tensor into its parameter, checking names and shapes; under tensor
+parallelism, shard it for the rank. Random weights (`load_format="dummy"`) under tensor
+parallelism are drawn for the rank's shard only: the model is folded and sharded on the meta
+device first, so no rank ever holds the whole model (a preset larger than one GPU loads)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from mambaserve.config import ModelConfig
+from mambaserve.distributed.group import TPGroup
+from mambaserve.distributed.sharding import shard_model
 from mambaserve.models.hybrid import RESHAPEABLE
 from mambaserve.models.quantization import (
     KV_SCALE_SUFFIXES,
@@ -57,14 +62,15 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
                cfg: ModelConfig | None = None, load_format: str = "auto",
                seed: int = 0, quantization: str | None = None,
                quantization_exclude: str | None = None,
-               fold_multipliers: bool = True) -> torch.nn.Module:
+               fold_multipliers: bool = True, tp: TPGroup | None = None) -> torch.nn.Module:
     """`load_format="auto"` reads the safetensors weights; `"dummy"` needs only config.json and
     draws random weights on the device (models/random_weights.py), for benchmarks at real
     shapes without a checkpoint. An FP8 checkpoint (models/quantization.py) loads its FP8
     modules as such; `quantization="fp8"` quantizes the other linear projections after loading
     (those matching `quantization_exclude`, default: attention and lm_head, stay).
     A family's multipliers are folded into the weights they scale once the weights are read
-    (`fold_multipliers=False` keeps them as separate multiplies: the unfolded reference)."""
+    (`fold_multipliers=False` keeps them as separate multiplies: the unfolded reference).
+    `tp`: the model comes back sharded for this rank (`distributed/sharding.py`)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"model path {path} is not a directory")
@@ -81,6 +87,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
         raw = json.loads((path / "config.json").read_text())
         fp8_ckpt = read_checkpoint_quantization(path, raw)
 
+    tp = tp or TPGroup.single()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -88,19 +95,16 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
             model = model_class(cfg)(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        if name.endswith(_FLOAT32_PARAMS):
-            p.data = p.data.float()
-    for name, b in model.named_buffers():
-        if name.endswith(_FLOAT32_PARAMS):
-            b.data = b.data.float()
+    if load_format == "dummy" and tp.tp_size > 1:
+        return _random_shard(model, cfg, device, seed, fold_multipliers, quantization, tp)
+    model = _materialize(model, device)
 
     if load_format == "dummy":
         if cfg.tie_word_embeddings:
             model.tie_lm_head()
         init_random_(model, cfg.num_layers, seed)
-        return _after_load(model, fold_multipliers, quantization, quantization_exclude)
+        return shard_model(_after_load(model, fold_multipliers, quantization,
+                                       quantization_exclude), tp)
 
     name_map = checkpoint_name_map(cfg)
     if fp8_ckpt is not None:
@@ -183,7 +187,42 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
     if problems:
         raise ValueError(f"checkpoint {path} does not match the {cfg.architecture} config: "
                          + "; ".join(problems))
-    return _after_load(model, fold_multipliers, quantization, quantization_exclude)
+    return shard_model(_after_load(model, fold_multipliers, quantization, quantization_exclude),
+                       tp)
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The meta model's storage on `device` (uninitialized; buffers zero), the router's
+    parameters in float32; parameters shared between modules (tied embeddings) stay shared."""
+    slots = [(mod, name, id(p)) for mod in model.modules()
+             for name, p in mod.named_parameters(recurse=False)]
+    model = model.to_empty(device=device)
+    first: dict[int, torch.nn.Parameter] = {}
+    for mod, name, key in slots:  # to_empty gives each occurrence its own tensor
+        setattr(mod, name, first.setdefault(key, getattr(mod, name)))
+    for name, p in model.named_parameters():
+        if name.endswith(_FLOAT32_PARAMS):
+            p.data = p.data.float()
+    for name, b in model.named_buffers():
+        b.data = b.data.float() if name.endswith(_FLOAT32_PARAMS) else b.data
+        b.data.zero_()  # a checkpoint overwrites them; random weights keep zero (no bias)
+    return model
+
+
+def _random_shard(model: torch.nn.Module, cfg: ModelConfig, device: torch.device, seed: int,
+                  fold: bool, quantization: str | None, tp: TPGroup) -> torch.nn.Module:
+    """Random weights for rank `tp` of a meta model: tie, fold the multipliers (shapes only: the
+    random draw stands for the folded weights), shard, then materialize and draw the rank's
+    shard (its own stream: `seed` + rank)."""
+    if quantization is not None:
+        raise ValueError("tensor parallelism with FP8 weights is not supported yet")
+    if cfg.tie_word_embeddings:
+        model.tie_lm_head()
+    if fold and hasattr(model, "fold_multipliers"):
+        model.fold_multipliers()
+    model = _materialize(shard_model(model, tp), device)
+    init_random_(model, cfg.num_layers, seed + tp.tp_rank)
+    return model.eval()
 
 
 def _after_load(model: torch.nn.Module, fold: bool, quantization: str | None,

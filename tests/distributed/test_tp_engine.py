@@ -8,6 +8,7 @@ with an error naming it, within seconds. The other families: test_tp_families.py
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import time
 
@@ -113,6 +114,34 @@ class TestAgainstOneRank:
         results = run_scenarios(pair[0])
         for name, r in results.items():
             assert r.forwards and r.ok and 1 in r.worker_syncs, (name, r)
+
+
+def test_random_weights_from_a_config_alone_at_two_ranks(tiny_ckpt, tmp_path):
+    """load_format="dummy" at tensor_parallel_size 2 (each rank draws only its shard, the way a
+    preset larger than one GPU loads): the engine serves greedy requests from config.json alone,
+    with finite logprobs, and each rank holds half the state and less than the whole weights."""
+    import shutil
+
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    shutil.copy(tiny_ckpt / "config.json", folder / "config.json")
+    engine = make_engine(folder, 2, load_format="dummy")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+        reqs = [(f"d{i}", ids, params) for i, ids in enumerate(prompts(2, [21, 8], 3))]
+        outs = run(engine, reqs)
+        assert len(outs) == 2
+        for out in outs.values():
+            (c,) = out.outputs
+            assert len(c.token_ids) == 6 and math.isfinite(c.cumulative_logprob)
+        report = engine.memory_report()
+    finally:
+        engine.close()
+    whole = make_engine(tiny_ckpt, 1).memory_report()
+    assert [r["tp_rank"] for r in report["ranks"]] == [0, 1]
+    for r in report["ranks"]:
+        assert 2 * r["state_bytes"] == whole["state_bytes"]
+        assert r["weight_bytes"] < whole["weight_bytes"]
 
 
 def test_sync_audit_sees_a_sync_on_rank_1(tiny_ckpt):

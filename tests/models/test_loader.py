@@ -138,3 +138,41 @@ def test_dummy_load_format_draws_random_weights_from_the_config_alone(tmp_path, 
     assert not torch.equal(pa["lm_head.weight"], pc["lm_head.weight"])
     ids = torch.arange(5)
     assert init_random_(a, 3, seed=0) is a and torch.isfinite(a.embeddings(ids).float()).all()
+
+
+@pytest.mark.parametrize("family", ["nemotron_h_moe", "falcon_h1", "granite_moe_hybrid"])
+def test_dummy_weights_under_tensor_parallelism_are_drawn_per_shard(tmp_path, family):
+    """Random weights for rank 1 of 2: the model is folded and sharded on the meta device, then
+    only the shard is materialized and drawn (per-rank seed). The parameters have the names,
+    shapes and dtypes of the whole model loaded then sharded, are finite, and the multipliers
+    are folded as on that path; the MoE router's correction bias (a buffer) is zero."""
+    import shutil
+
+    from family_checkpoints import make_tiny_falcon_h1, make_tiny_granite_moe_hybrid
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    from mambaserve.distributed.group import TPGroup
+
+    make = {"nemotron_h_moe": lambda p: make_tiny_checkpoint(p, layers=["mamba", "moe"]),
+            "falcon_h1": make_tiny_falcon_h1,
+            "granite_moe_hybrid": make_tiny_granite_moe_hybrid}[family]
+    ckpt = make(tmp_path / "ck")
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    shutil.copy(ckpt / "config.json", folder / "config.json")
+    tp = TPGroup(1, 2)
+    torch.full((1 << 20,), float("nan")).sum()  # leave NaNs in freed memory for empty tensors
+    shard = load_model(folder, torch.bfloat16, "cpu", load_format="dummy", seed=3, tp=tp)
+    whole = load_model(ckpt, torch.bfloat16, "cpu", tp=tp)
+    ps, pw = dict(shard.named_parameters()), dict(whole.named_parameters())
+    assert {n: (p.shape, p.dtype) for n, p in ps.items()} == {
+        n: (p.shape, p.dtype) for n, p in pw.items()}
+    for name, p in ps.items():
+        assert p.device.type == "cpu" and torch.isfinite(p.float()).all(), name
+    for name, b in shard.named_buffers():
+        assert torch.equal(b, torch.zeros_like(b)), name
+    if hasattr(whole, "multipliers"):
+        assert shard.multipliers == whole.multipliers  # folded on both paths
+    other = load_model(folder, torch.bfloat16, "cpu", load_format="dummy", seed=3,
+                       tp=TPGroup(0, 2))
+    assert not torch.equal(other.lm_head.weight, shard.lm_head.weight)  # each rank its own draw
