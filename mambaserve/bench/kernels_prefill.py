@@ -25,9 +25,10 @@ from mambaserve.ops.triton import tuning
 CONV_SWEEP = [(16, 512, 4, 0), (16, 512, 4, 2), (8, 512, 4, 4), (32, 512, 4, 4), (16, 256, 2, 4),
               (16, 1024, 8, 4)]
 # launch S: (block_p_state, block_n_state, num_warps_state); the smaller blocks give one
-# sequence's scan (a grid of heads x blocks, 128 programs at the 9B's default) more programs
+# sequence's scan (a grid of heads x blocks, 128 programs at the 9B's default) more programs;
+# P blocks of 16 divide the 9B's head_dim of 80 (64 leaves a second block 3/4 empty)
 SSD_STATE_SWEEP = [(64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 32, 4),
-                   (32, 64, 4)]
+                   (32, 64, 4), (32, 128, 4), (16, 128, 4), (16, 64, 4)]
 # launch C: (block_m_scan, block_p_scan, block_k_scan, num_warps_scan, num_stages_scan)
 SSD_SCAN_SWEEP = [(64, 128, 32, 4, 3), (64, 128, 64, 4, 2), (32, 128, 32, 4, 2),
                   (64, 128, 32, 8, 2), (128, 128, 32, 4, 2), (64, 128, 16, 4, 3),
