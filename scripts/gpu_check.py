@@ -1,7 +1,9 @@
 """End-to-end check of the engine on a CUDA GPU (run through the device tool):
 the Triton kernels inside the real engine against transformers on a tiny random NemotronH, then
 on a tiny random checkpoint of every other family (tests/family_checkpoints.py): fp32 eager, and
-fp32 with decode CUDA graphs and prefix caching, greedy tokens and prompt logprobs.
+fp32 with decode CUDA graphs and prefix caching, greedy tokens and prompt logprobs; and fresh
+300-token prompts in bf16 with the prefill attention through torch SDPA and through the tiled
+kernel.
 
     python scripts/gpu_check.py --out $OUT/gpu_check.json
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -85,6 +88,7 @@ def main() -> None:
                 for o, lp, p in zip(outs, ref_lp16, prompts)
                 for i, (d, t) in enumerate(zip(o.prompt_logprobs[1:], p[1:])))
         print(name, report[name], flush=True)
+    report |= dense_prefill(ckpt, hf, hf16, args.device)
     from mambaserve.config import SUPPORTED_ARCHITECTURES
 
     for arch, make in MAKERS.items():
@@ -100,6 +104,38 @@ def main() -> None:
     rc = cli(["audit-syncs", "--model", str(ckpt), "--device", args.device, "--dtype", "float32",
               "--chunked-prefill-size", "16"])
     print("audit-syncs exit code", rc)
+
+
+def dense_prefill(ckpt: Path, hf, hf16, device: str) -> dict:
+    """Fresh prompts of >= 256 tokens in bf16, eager (one prefill step each): the attention
+    through torch SDPA (the default) and through the tiled paged kernel
+    (MAMBASERVE_DENSE_PREFILL=0); prompt logprob errors against transformers fp32 and bf16."""
+    from mambaserve.ops.paged_attention import DENSE_PREFILL_ENV
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (300, 260)]
+    with torch.no_grad():
+        ref = [torch.log_softmax(m(torch.tensor([p])).logits[0].float(), -1)
+               for m in (hf, hf16) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    out = {"hf_bf16_vs_hf_fp32_fresh_rows": max((a - b).abs().max().item()
+                                                for a, b in zip(ref[2:], ref[:2]))}
+    for name, switch in [("bf16_fresh_rows_dense", "1"), ("bf16_fresh_rows_paged", "0")]:
+        os.environ[DENSE_PREFILL_ENV] = switch
+        try:
+            llm = LLM(ckpt, device=device, dtype="bfloat16", enforce_eager=True,
+                      chunked_prefill_size=1024, max_num_seqs=2)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        finally:
+            os.environ.pop(DENSE_PREFILL_ENV)
+        errs = [max(abs(d[t] - lp[i, t].item())
+                    for o, lp, p in zip(outs, refs, prompts)
+                    for i, (d, t) in enumerate(zip(o.prompt_logprobs[1:], p[1:])))
+                for refs in (ref[:2], ref[2:])]
+        out[name] = {"max_prompt_logprob_err": errs[0],
+                     "max_prompt_logprob_err_vs_hf_bf16": errs[1]}
+        print(name, out[name], flush=True)
+    return out
 
 
 def check_family(arch: str, ckpt: Path, device: str) -> dict:
