@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from family_checkpoints import MAKERS  # noqa: E402
-from family_checkpoints import load_hf as load_family_hf
+from family_checkpoints import load_hf as load_family_hf  # noqa: E402
 from tiny_checkpoint import add_byte_tokenizer, load_hf, make_tiny_checkpoint  # noqa: E402
 
 from mambaserve import LLM, SamplingParams  # noqa: E402
