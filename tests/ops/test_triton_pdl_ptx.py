@@ -1,0 +1,122 @@
+"""What programmatic dependent launch lets a kernel do before `await_previous`, checked in the
+PTX Triton generates for a Hopper (sm_90; compiled on the host, no GPU needed): with
+MAMBASERVE_PDL=1 no global load, store or atomic precedes `griddepcontrol.wait`; with 2 the
+few-rows linears only prefetch their weights into L2 before it (no load into registers), and the
+one-launch Mamba decode step only loads (its slots and state tile: no store, no atomic). The
+compile runs in a subprocess without the Triton interpreter (kernels/_common.py's PDL_MODES
+says why these reads are safe)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mambaserve.ops.triton._common import _PDL_BUILD
+from mambaserve.ops.triton.fp8_gemv import _fp8_gemv_kernel
+from mambaserve.ops.triton.gemv import _gemv_kernel
+from mambaserve.ops.triton.mamba_decode_step import _conv_state_step_kernel
+from mambaserve.ops.triton.rmsnorm import _rms_norm_kernel
+
+if not _PDL_BUILD:
+    print(json.dumps(None)); sys.exit(0)
+F32 = ("part_ptr", "ssm_ptr", "A_ptr", "D_ptr", "dt_bias_ptr", "ws_ptr", "in_scale_ptr",
+       "scale_ptr")
+I32 = ("cnt_ptr",)
+FP8 = ("w_ptr", "x_ptr")
+
+def sig(kern, const, fp8=False):
+    out = {}
+    for n in kern.arg_names:
+        if n in const:
+            out[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            out[n] = ("*fp32" if n in F32 else "*i32" if n in I32 else "*i64" if n == "slot_ptr"
+                      else "*fp8e4nv" if fp8 and n in FP8 else "*bf16")
+        else:
+            out[n] = "fp32" if n in ("eps", "dt_lo", "dt_hi") else "i32"
+    return out
+
+CASES = {
+    "gemv": (_gemv_kernel, dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, USE_DOT=False,
+                                IEEE=False, ACT=0, HAS_ADD=False, BLOCK_M=1, BLOCK_N=8,
+                                BLOCK_K=256, NUM_STAGES=3), False),
+    "fp8_gemv": (_fp8_gemv_kernel, dict(STATIC=False, PREQUANT=True, HAS_BIAS=False,
+                                        SPLIT=True, EVEN_K=True, USE_DOT=True, HW_FP8=True,
+                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_A=1024,
+                                        NUM_STAGES=3, FOLD=1), True),
+    "conv_state_step": (_conv_state_step_kernel, dict(K=4, HAS_BIAS=True, BLOCK_P=16,
+                                                      BLOCK_N=128), False),
+    "rms_norm": (_rms_norm_kernel, dict(HAS_RESIDUAL=True, ADD_NATIVE=False, QUANT=False,
+                                        HW_FP8=True, BLOCK_D=1024), False),
+}
+report = {}
+for name, (kern, const, fp8) in CASES.items():
+    for mode in (1, 2):
+        c = dict(const, PDL=mode)
+        k = triton.compile(ASTSource(kern, sig(kern, c, fp8), c),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "launch_pdl": True})
+        lines = k.asm["ptx"].splitlines()
+        wait = next(i for i, l in enumerate(lines) if "griddepcontrol.wait" in l)
+        before = [l.strip() for l in lines[:wait]]
+        report[f"{name}/{mode}"] = {
+            "loads": sum("ld.global" in l for l in before),
+            "stores": sum("st.global" in l for l in before),
+            "atomics": sum("atom." in l or "red." in l for l in before),
+            "prefetches": sum("prefetch.global.L2" in l for l in before),
+        }
+print(json.dumps(report))
+'''
+
+
+@pytest.fixture(scope="module")
+def before_the_wait():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail("compiling the PDL kernels for sm_90 took over 600 s")
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("no ptxas for an offline sm_90 compile")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if report is None:
+        pytest.skip("this Triton build has no programmatic dependent launch")
+    return report
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv", "conv_state_step", "rms_norm"])
+def test_pdl_1_touches_no_memory_before_the_wait(before_the_wait, kernel):
+    assert before_the_wait[f"{kernel}/1"] == {"loads": 0, "stores": 0, "atomics": 0,
+                                              "prefetches": 0}
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv"])
+def test_pdl_2_linears_only_prefetch_their_weights_before_the_wait(before_the_wait, kernel):
+    got = before_the_wait[f"{kernel}/2"]
+    assert got["prefetches"] > 0 and got["loads"] == got["stores"] == got["atomics"] == 0, got
+
+
+def test_pdl_2_decode_step_only_loads_before_the_wait(before_the_wait):
+    got = before_the_wait["conv_state_step/2"]
+    assert got["loads"] > 0 and got["stores"] == got["atomics"] == got["prefetches"] == 0, got
+
+
+def test_pdl_2_leaves_the_norm_as_pdl_1(before_the_wait):
+    assert before_the_wait["rms_norm/2"] == before_the_wait["rms_norm/1"]
