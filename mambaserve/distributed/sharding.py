@@ -36,11 +36,24 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         return model
     if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
         raise ValueError("tensor parallelism with FP8 weights is not supported yet")
+    for layer in model.layers:
+        shard_layer(layer, tp)
+    return shard_vocab(model, tp)
+
+
+def shard_layer(layer: nn.Module, tp: TPGroup) -> None:
+    """One decoder layer of a model (`model.layers[i]`), sharded in place: its mixers, MLP and
+    MoE keep this rank's heads / channels."""
+    for module in _shardable(layer):
+        module.shard(tp)
+
+
+def shard_vocab(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """The embedding and the lm_head of `model` swapped for their vocab-parallel shards (a tied
+    head stays tied). Returns `model`."""
     embed_name = next(n for n, m in model.named_children() if isinstance(m, nn.Embedding))
     embedding = getattr(model, embed_name)
     tied = model.lm_head.weight is embedding.weight
-    for layer in _shardable(model.layers):
-        layer.shard(tp)
     vocab = VocabParallelEmbedding(embedding, tp)
     setattr(model, embed_name, vocab)
     head = vocab.weight if tied else vocab_shard(model.lm_head.weight, tp)[0]

@@ -159,14 +159,27 @@ class HybridForCausalLM(nn.Module):
         into the final norm's weight (divided by the embedding multiplier the shared table now
         carries). The forward then applies none of them (the attention softmax scale stays the
         attention's own)."""
-        m, r = self.multipliers, self.multipliers.residual
         for layer in self.layers:
-            if layer.spec.mamba:
-                layer.mamba.fold_scales(m.ssm_in, m.ssm_out * r)
-            if layer.spec.attention:
-                layer.self_attn.fold_scales(m.attention_in, m.attention_out * r)
-            if layer.spec.ffn is not FFNKind.NONE:
-                layer.feed_forward.fold_scales(r)
+            self.fold_layer(layer)
+        self.fold_outer()
+
+    @torch.no_grad()
+    def fold_layer(self, layer: DecoderLayer) -> None:
+        """`fold_multipliers`' part for one decoder layer (a loader that shards layer by layer
+        folds each before sharding it, then calls `fold_outer`)."""
+        m, r = self.multipliers, self.multipliers.residual
+        if layer.spec.mamba:
+            layer.mamba.fold_scales(m.ssm_in, m.ssm_out * r)
+        if layer.spec.attention:
+            layer.self_attn.fold_scales(m.attention_in, m.attention_out * r)
+        if layer.spec.ffn is not FFNKind.NONE:
+            layer.feed_forward.fold_scales(r)
+
+    @torch.no_grad()
+    def fold_outer(self) -> None:
+        """`fold_multipliers`' part outside the layers (embedding, lm_head or the final norm),
+        after every layer's: the multipliers then read 1."""
+        m = self.multipliers
         scale_(self.embed_tokens.weight, m.embedding)
         if self.lm_head.weight is self.embed_tokens.weight:
             scale_(self.final_layernorm.weight, m.logits / m.embedding)

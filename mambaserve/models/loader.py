@@ -7,7 +7,9 @@ device first, so no rank ever holds the whole model (a preset larger than one GP
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -16,7 +18,7 @@ from tqdm import tqdm
 
 from mambaserve.config import ModelConfig
 from mambaserve.distributed.group import TPGroup
-from mambaserve.distributed.sharding import shard_model
+from mambaserve.distributed.sharding import shard_layer, shard_model, shard_vocab
 from mambaserve.models.hybrid import RESHAPEABLE
 from mambaserve.models.quantization import (
     KV_SCALE_SUFFIXES,
@@ -97,9 +99,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
         torch.set_default_dtype(previous)
     if load_format == "dummy" and tp.tp_size > 1:
         return _random_shard(model, cfg, device, seed, fold_multipliers, quantization, tp)
-    model = _materialize(model, device)
-
     if load_format == "dummy":
+        model = _materialize(model, device)
         if cfg.tie_word_embeddings:
             model.tie_lm_head()
         init_random_(model, cfg.num_layers, seed)
@@ -107,6 +108,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
                                        quantization_exclude), tp)
 
     name_map = checkpoint_name_map(cfg)
+    if tp.tp_size > 1 and fp8_ckpt is None and quantization is None:
+        return _load_by_layer(model, cfg, path, files, name_map, device, fold_multipliers, tp)
+    model = _materialize(model, device)
     if fp8_ckpt is not None:
         fp8_weight_modules(_fp8_weights(files, name_map), model)
         for name, p in model.named_parameters():
@@ -115,80 +119,164 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())
     expected = set(targets)
-    loaded: dict[str, set[int] | None] = {}
-    unexpected, misshaped = [], []
+    state = _LoadState(name_map, fp8_ckpt is not None, files)
+    with torch.no_grad(), contextlib.ExitStack() as files_open:
+        for f in state.open_files(files_open):
+            for key in f.keys():
+                state.load_key(f, key, targets)
+    state.tie_if_absent(model, cfg, expected)
+    state.finish(cfg, path, expected, _rows(targets))
+    return shard_model(_after_load(model, fold_multipliers, quantization, quantization_exclude),
+                       tp)
 
-    total = sum(f.stat().st_size for f in files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
-               disable=total < PROGRESS_BAR_MIN_BYTES)
-    with torch.no_grad():
-        for file in files:
+
+class _LoadState:
+    """One checkpoint read: the name map, which of our tensors are loaded (experts by index),
+    the problems met, the progress bar."""
+
+    def __init__(self, name_map, fp8: bool, files: list[Path]) -> None:
+        self.name_map, self.fp8, self.files = name_map, fp8, files
+        self.loaded: dict[str, set[int] | None] = {}
+        self.unexpected: list[str] = []
+        self.misshaped: list[str] = []
+        total = sum(f.stat().st_size for f in files)
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
+                        disable=total < PROGRESS_BAR_MIN_BYTES)
+
+    def open_files(self, stack: contextlib.ExitStack) -> list:
+        """Every file opened (safetensors handles, closed with `stack`)."""
+        handles = []
+        for file in self.files:
             try:
                 handle = safe_open(str(file), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types
                 raise ValueError(f"cannot read checkpoint file {file}: {e}") from e
-            with handle as f:
-                for key in f.keys():
-                    if key.startswith(_IGNORED_PREFIXES):
-                        continue
-                    if fp8_ckpt is not None and key.endswith(KV_SCALE_SUFFIXES):
-                        continue  # FP8 KV-cache scales: the KV cache stays in the model dtype
-                    if fp8_ckpt is not None and key.endswith(SCALE_SUFFIXES):
-                        problem = _load_scale(key, f.get_tensor(key), name_map, targets, loaded)
-                        if problem == "unexpected":
-                            unexpected.append(key)
-                        elif problem:
-                            misshaped.append(problem)
-                        continue
-                    mapped = name_map(key)
-                    if mapped is None or mapped[0] not in targets:
-                        unexpected.append(key)
-                        continue
-                    pname, expert = mapped
-                    tensor = f.get_tensor(key)
-                    dest = targets[pname] if expert is None else targets[pname][expert]
-                    if tensor.shape != dest.shape and tensor.numel() == dest.numel() and \
-                            pname.endswith(RESHAPEABLE):
-                        # HF conv1d weight is [D, 1, K]; fused gate|up [2I, H] into [2, I, H]
-                        tensor = tensor.reshape(dest.shape)
-                    if tensor.shape != dest.shape:
-                        misshaped.append(f"{key}: checkpoint {tuple(tensor.shape)} vs model "
-                                         f"{tuple(dest.shape)}")
-                        continue
-                    dest.copy_(tensor)
-                    bar.update(tensor.numel() * tensor.element_size())
-                    if expert is None:
-                        loaded[pname] = None
-                    else:
-                        seen = loaded.setdefault(pname, set())
-                        if seen is not None:
-                            seen.add(expert)
-    bar.close()
+            handles.append(stack.enter_context(handle))
+        return handles
 
-    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
-        # NOTE: transformers ties lm_head to the embeddings only when the checkpoint has no
-        # lm_head.weight (NemotronH never ties: its tied-keys map is empty, and it saves lm_head).
-        model.tie_lm_head()
-        expected.discard("lm_head.weight")
-    missing = []
-    for n in sorted(expected):
-        if n not in loaded:
-            missing.append(n)
-        elif loaded[n] is not None and len(loaded[n]) != targets[n].shape[0]:
-            missing.append(f"{n} (experts {sorted(set(range(targets[n].shape[0])) - loaded[n])})")
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {unexpected[:8]}"
-                        f"{' ...' if len(unexpected) > 8 else ''}")
-    if misshaped:
-        problems.append(f"mis-shaped tensors: {misshaped[:8]}")
-    if problems:
-        raise ValueError(f"checkpoint {path} does not match the {cfg.architecture} config: "
-                         + "; ".join(problems))
-    return shard_model(_after_load(model, fold_multipliers, quantization, quantization_exclude),
-                       tp)
+    def load_key(self, f, key: str, targets: dict) -> None:
+        """Checkpoint tensor `key` of the open file `f` into its place among `targets` (our
+        names -> tensors), or a problem noted."""
+        if key.startswith(_IGNORED_PREFIXES):
+            return
+        if self.fp8 and key.endswith(KV_SCALE_SUFFIXES):
+            return  # FP8 KV-cache scales: the KV cache stays in the model dtype
+        if self.fp8 and key.endswith(SCALE_SUFFIXES):
+            problem = _load_scale(key, f.get_tensor(key), self.name_map, targets, self.loaded)
+            if problem == "unexpected":
+                self.unexpected.append(key)
+            elif problem:
+                self.misshaped.append(problem)
+            return
+        mapped = self.name_map(key)
+        if mapped is None or mapped[0] not in targets:
+            self.unexpected.append(key)
+            return
+        pname, expert = mapped
+        tensor = f.get_tensor(key)
+        dest = targets[pname] if expert is None else targets[pname][expert]
+        if tensor.shape != dest.shape and tensor.numel() == dest.numel() and \
+                pname.endswith(RESHAPEABLE):
+            # HF conv1d weight is [D, 1, K]; fused gate|up [2I, H] into [2, I, H]
+            tensor = tensor.reshape(dest.shape)
+        if tensor.shape != dest.shape:
+            self.misshaped.append(f"{key}: checkpoint {tuple(tensor.shape)} vs model "
+                                  f"{tuple(dest.shape)}")
+            return
+        dest.copy_(tensor)
+        self.bar.update(tensor.numel() * tensor.element_size())
+        if expert is None:
+            self.loaded[pname] = None
+        else:
+            seen = self.loaded.setdefault(pname, set())
+            if seen is not None:
+                seen.add(expert)
+
+    def tie_if_absent(self, model: torch.nn.Module, cfg: ModelConfig, expected: set) -> None:
+        if cfg.tie_word_embeddings and "lm_head.weight" not in self.loaded:
+            # NOTE: transformers ties lm_head to the embeddings only when the checkpoint has no
+            # lm_head.weight (NemotronH never ties: its tied-keys map is empty, and it saves it).
+            model.tie_lm_head()
+            expected.discard("lm_head.weight")
+
+    def finish(self, cfg: ModelConfig, path: Path, expected: set, rows: dict[str, int]) -> None:
+        """One ValueError naming every problem met (missing, unexpected, mis-shaped tensors);
+        `rows`: our tensors' first dimension (the expert count of stacked experts)."""
+        self.bar.close()
+        missing = []
+        for n in sorted(expected):
+            if n not in self.loaded:
+                missing.append(n)
+            elif self.loaded[n] is not None and len(self.loaded[n]) != rows[n]:
+                missing.append(f"{n} (experts {sorted(set(range(rows[n])) - self.loaded[n])})")
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if self.unexpected:
+            problems.append(f"unexpected tensors: {self.unexpected[:8]}"
+                            f"{' ...' if len(self.unexpected) > 8 else ''}")
+        if self.misshaped:
+            problems.append(f"mis-shaped tensors: {self.misshaped[:8]}")
+        if problems:
+            raise ValueError(f"checkpoint {path} does not match the {cfg.architecture} config: "
+                             + "; ".join(problems))
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _load_by_layer(model: torch.nn.Module, cfg: ModelConfig, path: Path, files: list[Path],
+                   name_map, device: torch.device, fold: bool, tp: TPGroup) -> torch.nn.Module:
+    """A checkpoint for rank `tp`, one decoder layer at a time: the embedding / final norm /
+    lm_head are loaded whole first (a few GB at most), then each layer is materialized, loaded
+    whole, folded and sharded before the next, then the outer part is folded and vocab-sharded.
+    The device never holds more than the rank's shard, the outer part and one whole layer. The
+    same tensors, bit for bit, as loading the whole model and then `shard_model`."""
+    expected = {n for n, _ in _tensors(model)}
+    rows: dict[str, int] = {}
+    state = _LoadState(name_map, False, files)
+    with torch.no_grad(), contextlib.ExitStack() as files_open:
+        handles = state.open_files(files_open)
+        by_layer: dict[int | None, list[tuple[int, str]]] = {}
+        for i, f in enumerate(handles):
+            for key in f.keys():
+                mapped = None if key.startswith(_IGNORED_PREFIXES) else name_map(key)
+                m = _LAYER.match(mapped[0]) if mapped is not None else None
+                by_layer.setdefault(int(m.group(1)) if m else None, []).append((i, key))
+        for name, child in model.named_children():
+            if name != "layers":
+                _materialize(child, device)
+        targets = {n: t for n, t in _tensors(model) if not n.startswith("layers.")}
+        rows |= _rows(targets)
+        for i, key in by_layer.pop(None, []):
+            state.load_key(handles[i], key, targets)
+        state.tie_if_absent(model, cfg, expected)
+        for index, layer in enumerate(model.layers):
+            _materialize(layer, device)
+            targets = dict(_tensors(layer, f"layers.{index}"))
+            rows |= _rows(targets)
+            for i, key in by_layer.pop(index, []):
+                state.load_key(handles[i], key, targets)
+            targets = None  # the whole layer's tensors go once it is sharded
+            if fold and hasattr(model, "fold_layer"):
+                model.fold_layer(layer)
+            shard_layer(layer, tp)
+        for keys in by_layer.values():  # layers the model does not have
+            state.unexpected += [key for _, key in keys]
+    state.finish(cfg, path, expected, rows)
+    if fold and hasattr(model, "fold_outer"):
+        model.fold_outer()
+    return shard_vocab(model, tp).eval()
+
+
+def _rows(targets: dict) -> dict[str, int]:
+    return {n: t.shape[0] for n, t in targets.items() if t.dim()}
+
+
+def _tensors(module: torch.nn.Module, prefix: str = ""):
+    """(name, tensor) of every parameter (shared ones under each name) and buffer."""
+    yield from module.named_parameters(prefix=prefix, remove_duplicate=False)
+    yield from module.named_buffers(prefix=prefix)
 
 
 def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -176,3 +176,87 @@ def test_dummy_weights_under_tensor_parallelism_are_drawn_per_shard(tmp_path, fa
     other = load_model(folder, torch.bfloat16, "cpu", load_format="dummy", seed=3,
                        tp=TPGroup(0, 2))
     assert not torch.equal(other.lm_head.weight, shard.lm_head.weight)  # each rank its own draw
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "falcon_h1", "granite_moe_hybrid", "bamba"])
+def test_checkpoint_under_tensor_parallelism_loads_layer_by_layer(tmp_path, family,
+                                                                  monkeypatch):
+    """At two ranks a checkpoint is loaded, folded and sharded one decoder layer at a time: each
+    rank's parameters are bit for bit those of the whole model loaded, then sharded (tied heads
+    tied, multipliers folded), and no two layers were whole at once (when a layer is sharded,
+    every later layer is still on the meta device)."""
+    from family_checkpoints import (
+        make_tiny_bamba,
+        make_tiny_falcon_h1,
+        make_tiny_granite_moe_hybrid,
+    )
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    import mambaserve.models.loader as loader
+    from mambaserve.distributed.group import TPGroup
+    from mambaserve.distributed.sharding import shard_layer, shard_model
+
+    built, later_on_meta = [], []
+    model_class = loader.model_class
+
+    def recording_class(cfg):
+        def build(c):
+            built[:] = [model_class(cfg)(c)]
+            return built[0]
+        return build
+
+    def checked_shard(layer, tp):
+        layers = list(built[0].layers)
+        later = layers[layers.index(layer) + 1:]
+        later_on_meta.append(all(p.is_meta for m in later for p in m.parameters()))
+        shard_layer(layer, tp)
+
+    monkeypatch.setattr(loader, "model_class", recording_class)
+    monkeypatch.setattr(loader, "shard_layer", checked_shard)
+    make = {"nemotron_h": make_tiny_checkpoint, "falcon_h1": make_tiny_falcon_h1,
+            "granite_moe_hybrid": make_tiny_granite_moe_hybrid, "bamba": make_tiny_bamba}[family]
+    ckpt = make(tmp_path / "ck")
+
+    def tied(model):
+        embed = model.embed_tokens if hasattr(model, "embed_tokens") else model.embeddings
+        return model.lm_head.weight is embed.weight
+
+    for rank in (0, 1):
+        tp = TPGroup(rank, 2)
+        got = load_model(ckpt, torch.float32, "cpu", tp=tp)
+        want = shard_model(load_model(ckpt, torch.float32, "cpu"), tp)
+        pg = dict(got.named_parameters(remove_duplicate=False))
+        pw = dict(want.named_parameters(remove_duplicate=False))
+        assert pg.keys() == pw.keys()
+        for name, p in pw.items():
+            assert torch.equal(pg[name], p), (rank, name)
+        assert tied(got) == tied(want)
+        if hasattr(want, "multipliers"):
+            assert got.multipliers == want.multipliers
+    assert len(later_on_meta) == 2 * len(got.layers) and all(later_on_meta)
+
+
+def test_checkpoint_problems_under_tensor_parallelism_name_every_tensor(tmp_path, tiny_ckpt):
+    """The layer-by-layer load reports what the whole load does: a missing layer tensor, an
+    unexpected one, one of the wrong shape, in one error."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mambaserve.distributed.group import TPGroup
+
+    dst = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, dst)
+    sd = load_file(dst / "model.safetensors")
+    dropped = next(k for k in sd if ".layers.2." in k and k.endswith("in_proj.weight"))
+    del sd[dropped]
+    sd["backbone.layers.0.mixer.surprise"] = torch.zeros(3)
+    norm = next(k for k in sd if k.endswith("norm_f.weight"))
+    sd[norm] = torch.zeros(7)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    for tp in (None, TPGroup(1, 2)):
+        with pytest.raises(ValueError) as err:
+            load_model(dst, torch.float32, "cpu", tp=tp)
+        msg = str(err.value)
+        assert "layers.2.mixer.in_proj.weight" in msg and "surprise" in msg, msg
+        assert "norm_f.weight: checkpoint (7,)" in msg, msg
