@@ -97,8 +97,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
             model = model_class(cfg)(cfg)
     finally:
         torch.set_default_dtype(previous)
-    if load_format == "dummy" and tp.tp_size > 1:
-        return _random_shard(model, cfg, device, seed, fold_multipliers, quantization, tp)
+    if load_format == "dummy" and tp.tp_size > 1 and quantization is None:
+        return _random_shard(model, cfg, device, seed, fold_multipliers, tp)
     if load_format == "dummy":
         model = _materialize(model, device)
         if cfg.tie_word_embeddings:
@@ -292,18 +292,16 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
         if name.endswith(_FLOAT32_PARAMS):
             p.data = p.data.float()
     for name, b in model.named_buffers():
-        b.data = b.data.float() if name.endswith(_FLOAT32_PARAMS) else b.data
-        b.data.zero_()  # a checkpoint overwrites them; random weights keep zero (no bias)
+        # a checkpoint overwrites them; random weights keep zero (no bias)
+        b.data = (b.data.float() if name.endswith(_FLOAT32_PARAMS) else b.data).zero_()
     return model
 
 
 def _random_shard(model: torch.nn.Module, cfg: ModelConfig, device: torch.device, seed: int,
-                  fold: bool, quantization: str | None, tp: TPGroup) -> torch.nn.Module:
+                  fold: bool, tp: TPGroup) -> torch.nn.Module:
     """Random weights for rank `tp` of a meta model: tie, fold the multipliers (shapes only: the
     random draw stands for the folded weights), shard, then materialize and draw the rank's
     shard (its own stream: `seed` + rank)."""
-    if quantization is not None:
-        raise ValueError("tensor parallelism with FP8 weights is not supported yet")
     if cfg.tie_word_embeddings:
         model.tie_lm_head()
     if fold and hasattr(model, "fold_multipliers"):
