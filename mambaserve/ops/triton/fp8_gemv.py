@@ -49,7 +49,7 @@ from mambaserve.ops.triton._common import (
     prefetch_tile_l2,
 )
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
-from mambaserve.ops.triton.gemv import split_scratch
+from mambaserve.ops.triton.gemv import split_k_sum, split_scratch
 
 
 @triton.jit
@@ -145,19 +145,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
     out_mask = row_ok[:, None] & col_ok[None, :]
     offs = rows[:, None] * stride_om + cols[None, :]
     if SPLIT:
-        part_offs = rows[:, None] * N + cols[None, :]
-        tl.store(part_ptr + pid_k * M * N + part_offs, y, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial stored before the arrival is counted
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:  # the last of the column block's parts: add them in order
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(split_k):
-                total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
+        last, total = split_k_sum(y, part_ptr, cnt_ptr, rows, cols, out_mask, pid_n, pid_k, M, N,
+                                  split_k, BLOCK_M, BLOCK_N)
+        if last:
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

@@ -14,8 +14,8 @@ Both accumulate in float32 and round once to the output dtype.
 Split-K without a second launch: with split_k > 1 every program stores its float32 partial sums
 to a scratch buffer, then increments its column block's arrival counter (acq_rel, GPU scope); the
 program that arrives last adds the split_k partials in the fixed order 0, 1, ... (so the result
-does not depend on the arrival order: deterministic), adds the bias, rounds, stores, and sets the
-counter back to 0. The counters (one int32 per column block) live in a per-device buffer that is
+does not depend on the arrival order: deterministic), sets the counter back to 0, then adds the
+bias, rounds and stores (`split_k_sum`, which the FP8 kernel shares). The counters (one int32 per column block) live in a per-device buffer that is
 zeroed once and left zeroed by every launch; launches that use it must not run concurrently
 (the engine's forward runs on one stream).
 
@@ -114,22 +114,36 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
                 add_ptr + add_offs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
-        part_offs = rows[:, None] * N + cols[None, :]
-        tl.store(part_ptr + pid_k * M * N + part_offs, y, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial stored before the arrival is counted
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:  # the last of the column block's parts: reduce in order
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(split_k):
-                total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
+        last, total = split_k_sum(y, part_ptr, cnt_ptr, rows, cols, out_mask, pid_n, pid_k, M, N,
+                                  split_k, BLOCK_M, BLOCK_N)
+        if last:
             if HAS_BIAS:
                 total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             if HAS_ADD:
                 total = total.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
                     add_ptr + add_offs, mask=out_mask, other=0.0).to(tl.float32)
             tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def split_k_sum(y, part_ptr, cnt_ptr, rows, cols, mask, pid_n, pid_k, M, N, split_k,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split K without a second launch (module docstring): store this program's float32 partial
+    y [BLOCK_M, BLOCK_N] of column block pid_n, count its arrival; returns (whether it arrived
+    last, the split_k partials summed in the order 0, 1, ... when it did, else zeros). The last
+    one sets the block's counter back to 0."""
+    part_offs = rows[:, None] * N + cols[None, :]
+    tl.store(part_ptr + pid_k * M * N + part_offs, y, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the arrival is counted
+    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    last = arrived == split_k - 1
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if last:  # the last of the column block's parts: reduce in order
+        for s in range(split_k):
+            total += tl.load(part_ptr + s * M * N + part_offs, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    return last, total
 
 
 COUNTERS: dict[torch.device, torch.Tensor] = {}
