@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -35,6 +36,24 @@ def num_sms(device: torch.device) -> int:
 def pow2(n: int) -> int:
     """The next power of two of max(1, n)."""
     return triton.next_power_of_2(max(1, n))
+
+
+def divisibility(*sizes: int) -> int:
+    """The largest of 16, 8, 4, 2, 1 that divides every size: the `DIV` constexpr of a kernel
+    that takes those sizes unspecialized (`do_not_specialize`, one compile for every value).
+    Triton then knows nothing of their alignment, so the loads and stores they address or mask
+    go one element at a time (~1/3 of the copy ceiling on an H100, docs/kernels.md); `aligned`
+    gives the alignment back."""
+    g = 0
+    for n in sizes:
+        g = math.gcd(g, n)
+    return next(d for d in (16, 8, 4, 2, 1) if g % d == 0)
+
+
+@triton.jit
+def aligned(n, DIV: tl.constexpr):
+    """n itself (DIV divides it, `divisibility`), known to the compiler as a multiple of DIV."""
+    return (n // DIV) * DIV
 
 
 @triton.jit

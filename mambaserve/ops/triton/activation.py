@@ -15,10 +15,12 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton._common import aligned, divisibility
 
 
 @triton.jit(do_not_specialize=["n"])
-def _relu2_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _relu2_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, DIV: tl.constexpr):
+    n = aligned(n, DIV)  # the mask changes at multiples of DIV: vector loads and stores
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -34,12 +36,17 @@ def relu2_triton(x: torch.Tensor) -> torch.Tensor:
     if n:
         cfg = tuning.config("relu2", x.device)
         block = cfg["block"]
-        _relu2_kernel[(triton.cdiv(n, block),)](x, y, n, BLOCK=block, num_warps=cfg["num_warps"])
+        _relu2_kernel[(triton.cdiv(n, block),)](x, y, n, BLOCK=block, DIV=divisibility(n),
+                                                 num_warps=cfg["num_warps"])
     return y
 
 
 @triton.jit(do_not_specialize=["I", "row_in", "row_out"])
-def _silu_mul_kernel(x_ptr, y_ptr, I, row_in, row_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, I, row_in, row_out, BLOCK: tl.constexpr, DIV: tl.constexpr):
+    # rows start, and the mask changes, at multiples of DIV: vector loads and stores
+    I = aligned(I, DIV)
+    row_in = aligned(row_in, DIV)
+    row_out = aligned(row_out, DIV)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -60,5 +67,6 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         cfg = tuning.config("silu_mul", x.device)
         block = min(cfg["block"], triton.next_power_of_2(I))
         _silu_mul_kernel[(T, triton.cdiv(I, block))](x, y, I, 2 * I, I, BLOCK=block,
+                                                      DIV=divisibility(I, 2 * I),
                                                       num_warps=cfg["num_warps"])
     return y

@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import await_previous, pdl_launch, pow2
+from mambaserve.ops.triton._common import aligned, await_previous, divisibility, pdl_launch, pow2
 from mambaserve.ops.triton.fp8_codec import e4m3_encode
 
 FP8_MAX = tl.constexpr(448.0)
@@ -71,8 +71,10 @@ def e4m3_codes(v, scale, HW_FP8: tl.constexpr):
 @triton.jit(do_not_specialize=["K", "stride_x"])
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, stride_x, STATIC: tl.constexpr,
                        ACT: tl.constexpr, ONE_TILE: tl.constexpr, HW_FP8: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK: tl.constexpr, DIV: tl.constexpr, PDL: tl.constexpr):
     await_previous(PDL)
+    K = aligned(K, DIV)  # rows start, and the mask changes, at multiples of DIV: vector access
+    stride_x = aligned(stride_x, DIV)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * K
@@ -133,5 +135,6 @@ def quantize_fp8_triton(x: torch.Tensor, input_scale: torch.Tensor | None,
             x, q.view(torch.uint8), s, input_scale if static else s, K, x.stride(0),
             STATIC=static, ACT=ACTIVATIONS[act], ONE_TILE=plan["one_tile"],
             HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK=plan["block"],
-            num_warps=plan["num_warps"], **pdl_launch(x.device, _quant_rows_kernel))
+            DIV=divisibility(K, x.stride(0)), num_warps=plan["num_warps"],
+            **pdl_launch(x.device, _quant_rows_kernel))
     return q, s
