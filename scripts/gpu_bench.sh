@@ -331,12 +331,12 @@ stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a strea
             --out "$W/latency_$p.json"
     done
 }
-stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL): its GPU test, then batch-1 / 8
-    # latency and the families' decode with it off, on (1) and on with early reads (2),
-    # interleaved (kernels.md)
+stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL, on by default): its GPU test,
+    # then batch-1 / 8 latency and the families' decode with it off (0) and on (1), interleaved
+    # (kernels.md)
     run pdl-tests 120 $PY -m pytest -q -p no:cacheprovider tests/ops/test_triton_pdl.py
     for i in 1 2; do
-        for on in 0 1 2; do
+        for on in 0 1; do
             MAMBASERVE_PDL=$on run "pdl-$on-9b-$i" 200 $MS bench one-batch --preset $PRESET \
                 --device cuda --dtype bfloat16 --batch-size 1,8 --input-len 32,2048 \
                 --output-len 24 --engine enforce_eager=false,async_scheduling=true \
@@ -344,7 +344,7 @@ stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL): its GPU test, t
         done
     done
     for p in $FAMILIES; do
-        for on in 0 1 2; do
+        for on in 0 1; do
             MAMBASERVE_PDL=$on run "pdl-$on-$p" 200 $MS bench one-batch --preset $p --device cuda \
                 --dtype bfloat16 --batch-size 1,8 --input-len 2048 --output-len 24 \
                 --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \

@@ -1,13 +1,11 @@
 """What programmatic dependent launch lets a kernel do before `await_previous`, checked in the
-PTX Triton generates for a Hopper (sm_90; compiled on the host, no GPU needed): with
-MAMBASERVE_PDL=1 no global load, store or atomic precedes `griddepcontrol.wait`; with 2 the
-few-rows linears only prefetch their weights into L2 before it (no load into registers), and the
-one-launch Mamba decode step only loads (its slots and state tile: no store, no atomic). The
-compile runs in a subprocess without the Triton interpreter (kernels/_common.py's PDL_MODES
-says why these reads are safe)."""
+PTX Triton generates for a Hopper (sm_90; compiled on the host, no GPU needed): no global load,
+store, atomic or prefetch precedes `griddepcontrol.wait`, so nothing reads what the previous
+kernel may still be writing. The compile runs in a subprocess without the Triton interpreter."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+# not imported here: a Triton imported before tests/ops/triton_env.py would leave the modules
+# after this one without the interpreter
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("no triton", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,20 +66,18 @@ CASES = {
 }
 report = {}
 for name, (kern, const, fp8) in CASES.items():
-    for mode in (1, 2):
-        c = dict(const, PDL=mode)
-        k = triton.compile(ASTSource(kern, sig(kern, c, fp8), c),
-                           target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "launch_pdl": True})
-        lines = k.asm["ptx"].splitlines()
-        wait = next(i for i, l in enumerate(lines) if "griddepcontrol.wait" in l)
-        before = [l.strip() for l in lines[:wait]]
-        report[f"{name}/{mode}"] = {
-            "loads": sum("ld.global" in l for l in before),
-            "stores": sum("st.global" in l for l in before),
-            "atomics": sum("atom." in l or "red." in l for l in before),
-            "prefetches": sum("prefetch.global.L2" in l for l in before),
-        }
+    c = dict(const, PDL=1)
+    k = triton.compile(ASTSource(kern, sig(kern, c, fp8), c), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "launch_pdl": True})
+    lines = k.asm["ptx"].splitlines()
+    wait = next(i for i, l in enumerate(lines) if "griddepcontrol.wait" in l)
+    before = [l.strip() for l in lines[:wait]]
+    report[name] = {
+        "loads": sum("ld.global" in l for l in before),
+        "stores": sum("st.global" in l for l in before),
+        "atomics": sum("atom." in l or "red." in l for l in before),
+        "prefetches": sum("prefetch.global.L2" in l for l in before),
+    }
 print(json.dumps(report))
 '''
 
@@ -102,21 +101,6 @@ def before_the_wait():
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv", "conv_state_step", "rms_norm"])
-def test_pdl_1_touches_no_memory_before_the_wait(before_the_wait, kernel):
-    assert before_the_wait[f"{kernel}/1"] == {"loads": 0, "stores": 0, "atomics": 0,
+def test_no_memory_is_touched_before_the_wait(before_the_wait, kernel):
+    assert before_the_wait[kernel] == {"loads": 0, "stores": 0, "atomics": 0,
                                               "prefetches": 0}
-
-
-@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv"])
-def test_pdl_2_linears_only_prefetch_their_weights_before_the_wait(before_the_wait, kernel):
-    got = before_the_wait[f"{kernel}/2"]
-    assert got["prefetches"] > 0 and got["loads"] == got["stores"] == got["atomics"] == 0, got
-
-
-def test_pdl_2_decode_step_only_loads_before_the_wait(before_the_wait):
-    got = before_the_wait["conv_state_step/2"]
-    assert got["loads"] > 0 and got["stores"] == got["atomics"] == got["prefetches"] == 0, got
-
-
-def test_pdl_2_leaves_the_norm_as_pdl_1(before_the_wait):
-    assert before_the_wait["rms_norm/2"] == before_the_wait["rms_norm/1"]

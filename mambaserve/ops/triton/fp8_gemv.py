@@ -41,13 +41,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import (
-    await_previous,
-    num_sms,
-    pdl_launch,
-    pow2,
-    prefetch_tile_l2,
-)
+from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch, pow2
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
 from mambaserve.ops.triton.gemv import split_k_sum, split_scratch
 
@@ -92,8 +86,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
     col_ok = cols < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    if PDL == 2:  # the weight tile is constant: into L2 while the previous kernel finishes
-        prefetch_tile_l2(w_ptr, cols, N, stride_wn, k_lo, k_hi, 16)
     await_previous(PDL)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     # the rows' scales: every program computes them (x is small and sits in L2)

@@ -34,13 +34,7 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import (
-    await_previous,
-    num_sms,
-    pdl_launch,
-    pow2,
-    prefetch_tile_l2,
-)
+from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch, pow2
 from mambaserve.ops.triton.activation import relu2_triton, silu_mul_triton
 
 MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any split launch)
@@ -66,8 +60,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
     ks = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    if PDL == 2:  # the weight tile is constant: into L2 while the previous kernel finishes
-        prefetch_tile_l2(w_ptr, cols, N, stride_wn, k_lo, k_hi, 16)
     await_previous(PDL)
     w_tile = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]

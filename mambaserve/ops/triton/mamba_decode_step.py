@@ -11,8 +11,7 @@ and must be shifted only after all have read them: each program counts its arriv
 group) counter after its reads (acq_rel, GPU scope, after a barrier of its threads), and the one
 that arrives last shifts them and sets the counter back to 0 (the counters of the few-rows
 linear, `gemv.column_counters`, zero between launches on the one stream). A negative slot skips
-the row: no pool access, no arrival, y zero. Under MAMBASERVE_PDL=2 the state tile is loaded
-before `await_previous` (`_common.PDL_MODES`). Launch parameters: the state update's
+the row: no pool access, no arrival, y zero. Launch parameters: the state update's
 (`selective_state_update.launch_plan`).
 """
 
@@ -40,8 +39,7 @@ def _conv_state_step_kernel(
     y_p, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL != 2:
-        await_previous(PDL)
+    await_previous(PDL)
     # the slots: metadata uploaded before the forward, which no kernel writes
     row, h, g, slot, valid, offs_p, offs_n = program_tile(slot_ptr, heads_per_group, BLOCK_P,
                                                           BLOCK_N)
@@ -54,9 +52,6 @@ def _conv_state_step_kernel(
     s_ptrs = ssm_ptr + slot * s_slot + h * s_h + offs_p[:, None] * s_p + offs_n[None, :] * s_n
     m2 = mp[:, None] & mn[None, :]
     state = tl.load(s_ptrs, mask=m2, other=0.0)
-    if PDL == 2:  # the state was last written by this layer's previous step, kernels ago: its
-        # load above overlaps the end of the previous kernel (in_proj), which never writes it
-        await_previous(PDL)
 
     # this program's x channels: conv, rounded as the conv launch stores it; own windows shifted
     ch_x = h * P + offs_p
