@@ -5,21 +5,10 @@ kernel may still be writing. The compile runs in a subprocess without the Triton
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from offline_ptx import compile_report, skip_without_triton
 
-# not imported here: a Triton imported before tests/ops/triton_env.py would leave the modules
-# after this one without the interpreter
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("no triton", allow_module_level=True)
-
-ROOT = Path(__file__).resolve().parents[2]
+skip_without_triton()
 
 SCRIPT = r'''
 import json, sys
@@ -84,17 +73,7 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def before_the_wait():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    try:
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        pytest.fail("compiling the PDL kernels for sm_90 took over 600 s")
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("no ptxas for an offline sm_90 compile")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = compile_report(SCRIPT, "the PDL kernels")
     if report is None:
         pytest.skip("this Triton build has no programmatic dependent launch")
     return report

@@ -7,22 +7,12 @@ and ran at ~1/3 of the copy ceiling on an H100 (docs/kernels.md)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from offline_ptx import compile_report, skip_without_triton
 
-# not imported here: a Triton imported before tests/ops/triton_env.py would leave the modules
-# after this one without the interpreter
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("no triton", allow_module_level=True)
-
-ROOT = Path(__file__).resolve().parents[2]
+skip_without_triton()
 
 SCRIPT = r'''
 import json, re
@@ -60,17 +50,7 @@ KERNELS = ["relu2", "silu_mul", "fp8_quant_one", "fp8_quant_loop"]
 
 @pytest.fixture(scope="module")
 def widths():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    try:
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        pytest.fail("compiling the kernels for sm_90 took over 600 s")
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("no ptxas for an offline sm_90 compile")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return compile_report(SCRIPT, "the activation and quantization kernels")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
