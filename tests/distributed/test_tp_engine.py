@@ -137,7 +137,8 @@ def test_random_weights_from_a_config_alone_at_two_ranks(tiny_ckpt, tmp_path):
         report = engine.memory_report()
     finally:
         engine.close()
-    whole = make_engine(tiny_ckpt, 1).memory_report()
+    with make_engine(tiny_ckpt, 1) as one:
+        whole = one.memory_report()
     assert [r["tp_rank"] for r in report["ranks"]] == [0, 1]
     for r in report["ranks"]:
         assert 2 * r["state_bytes"] == whole["state_bytes"]

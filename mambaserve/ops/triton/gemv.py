@@ -15,9 +15,10 @@ Split-K without a second launch: with split_k > 1 every program stores its float
 to a scratch buffer, then increments its column block's arrival counter (acq_rel, GPU scope); the
 program that arrives last adds the split_k partials in the fixed order 0, 1, ... (so the result
 does not depend on the arrival order: deterministic), sets the counter back to 0, then adds the
-bias, rounds and stores (`split_k_sum`, which the FP8 kernel shares). The counters (one int32 per column block) live in a per-device buffer that is
-zeroed once and left zeroed by every launch; launches that use it must not run concurrently
-(the engine's forward runs on one stream).
+bias, rounds and stores (`split_k_sum`, which the FP8 kernel shares). The counters (one int32
+per column block) live in a per-device buffer that is zeroed once and left zeroed by every
+launch; launches that use it must not run concurrently (the engine's forward runs on one
+stream).
 
 Two extras (constexpr, compiled out otherwise): an MLP activation applied to the x tile as it
 is loaded (`act_gemv_triton`, the CUDA-core launch only), and an addend added to the rounded

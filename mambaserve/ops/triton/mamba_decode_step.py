@@ -40,7 +40,6 @@ def _conv_state_step_kernel(
     BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
-    # the slots: metadata uploaded before the forward, which no kernel writes
     row, h, g, slot, valid, offs_p, offs_n = program_tile(slot_ptr, heads_per_group, BLOCK_P,
                                                           BLOCK_N)
     mp_all = offs_p < P
