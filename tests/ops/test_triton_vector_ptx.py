@@ -3,7 +3,8 @@ every value) must still access memory in 16-byte vectors: `_common.divisibility`
 sizes' alignment as the `DIV` constexpr and `aligned` hands it to the compiler. Checked in the
 PTX Triton generates for a Hopper (sm_90; compiled on the host in a subprocess without the
 interpreter, no GPU needed). Without it the elementwise passes moved one bf16 element per load
-and ran at ~1/3 of the copy ceiling on an H100 (docs/kernels.md)."""
+and ran at ~1/3 of the copy ceiling on an H100 (docs/kernels.md). Also: the RMSNorm that writes
+FP8 rows stores its codes in the layout of its loads."""
 
 from __future__ import annotations
 
@@ -42,6 +43,21 @@ for div in (1, 16):
         report[f"fp8_quant_{'one' if one else 'loop'}/{div}"] = widths(
             _quant_rows_kernel, dict(STATIC=False, ACT=1, ONE_TILE=one, HW_FP8=True,
                                      BLOCK=4096, DIV=div, PDL=0))
+from mambaserve.ops.triton.rmsnorm import _rms_norm_kernel
+names = _rms_norm_kernel.arg_names
+for quant in (False, True):
+    const = dict(HAS_RESIDUAL=True, ADD_NATIVE=False, QUANT=quant, HW_FP8=True, BLOCK_D=8192,
+                 PDL=0, x_d=1, r_d=1, w_d=1)
+    sig = {n: "constexpr" if n in const else "fp32" if n == "eps" else
+           ("*u8" if n == "out_ptr" and quant else "*fp32" if n == "scale_ptr" else "*bf16")
+           if n.endswith("_ptr") else "i32" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n in ("D", "x_t", "r_t", "o_t", "s_t")}
+    ptx = triton.compile(ASTSource(_rms_norm_kernel, sig, const, attrs),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    report[f"rms_norm/{'fp8' if quant else 'bf16'}"] = {
+        "barriers": len(re.findall(r"bar\.sync", ptx)),
+        "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx)))}
 print(json.dumps(report))
 '''
 
@@ -75,3 +91,13 @@ def test_odd_sizes_fall_back_to_element_accesses(widths, kernel):
     # DIV 1 (a size no power of two divides) is what every launch compiled to before `DIV`:
     # the check above is not vacuous
     assert all(not re.search(r"\.v\d", w) for w in widths[f"{kernel}/1"]["loads"])
+
+
+def test_fp8_rmsnorm_stores_codes_in_the_layout_of_its_loads(widths):
+    # 8 codes per thread (v2.b32), as the bf16 loads and the residual's store hold 8 values:
+    # unhinted, the byte store took 16 per thread and the whole row went through shared memory
+    # between the two layouts (9 barriers); now only the amax adds a block reduction (+2, +1
+    # before its shared memory is reused)
+    plain, fp8 = widths["rms_norm/bf16"], widths["rms_norm/fp8"]
+    assert fp8["stores"] == ["st.global.b32", "st.global.v2.b32", "st.global.v4.b32"], fp8
+    assert fp8["barriers"] <= plain["barriers"] + 3, (plain, fp8)

@@ -11,7 +11,9 @@ and tensor at 8 warps); the launcher refuses rows wider than 32K.
 `QUANT`: the normalized row, rounded to x's dtype, is written as FP8 instead (e4m3 codes through
 a uint8 view and the row's dynamic scale, max(amax, 1e-12) / 448: `ops/triton/fp8_quant.py`'s
 math on the values it holds), the input of an FP8 projection with no quantization pass of its
-own.
+own. The code store's offsets carry a contiguity hint of one 16-byte load of x (8 codes per
+thread for bf16): unhinted, Triton stores bytes 16 per thread, unlike the loads and the residual
+store, and moves the whole row between the two layouts through shared memory.
 
 The launcher reads no device value (shapes and strides only) and allocates with torch.empty, so
 it can be captured in a CUDA graph. Launch parameters: `tuning` entry "rms_norm".
@@ -64,7 +66,8 @@ def _rms_norm_kernel(
         v = y.to(tl.float32)
         scale = row_scale(v)
         tl.store(scale_ptr + t, scale)
-        tl.store(out_ptr + t * o_t + offs, e4m3_codes(v, scale, HW_FP8), mask=m)
+        q_offs = tl.max_contiguous(offs, 128 // x_ptr.dtype.element_ty.primitive_bitwidth)
+        tl.store(out_ptr + t * o_t + q_offs, e4m3_codes(v, scale, HW_FP8), mask=m)
     else:
         tl.store(out_ptr + t * o_t + offs, y, mask=m)
 
