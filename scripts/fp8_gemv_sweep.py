@@ -74,16 +74,30 @@ DOT = [  # tensor-core launches (M = 8)
     {"dot_min_m": 99, "block_n": 4, "block_k": 128, "num_warps": 4, "num_stages": 3},
     {"dot_min_m": 99, "block_n": 2, "block_k": 256, "num_warps": 4, "num_stages": 3},
 ]
+NATIVE = [  # native e4m3 wgmma instructions, each promoted to the float32 sum (promote_k 32)
+    {"dot_min_m": 1, "promote_k": 32},
+    {"dot_min_m": 1, "promote_k": 32, "block_n": 64, "block_k": 512},
+    {"dot_min_m": 1, "promote_k": 32, "block_n": 64, "block_k": 256, "num_stages": 4},
+    {"dot_min_m": 1, "promote_k": 32, "block_n": 64, "block_k": 512, "num_stages": 4},
+    {"dot_min_m": 1, "promote_k": 32, "block_n": 128, "block_k": 256},
+    {"dot_min_m": 1, "promote_k": 32, "block_n": 128, "block_k": 256, "num_warps": 8},
+    {"dot_min_m": 1, "promote_k": 32, "block_n": 64, "block_k": 256, "split_k": 1},
+    {"dot_min_m": 1, "promote_k": 32, "block_n": 64, "block_k": 256, "split_k": 2},
+    {"dot_min_m": 1, "promote_k": 128, "block_n": 64, "block_k": 256},
+]
 
 
-def candidates(M: int) -> list[dict]:
-    """FMA launches and the tensor-core ones for one or two rows; tensor-core ones above."""
+def candidates(M: int, which: str = "all") -> list[dict]:
+    """FMA launches and the tensor-core ones for one or two rows; tensor-core ones above; the
+    native fp8 ones everywhere (`which` "native": the rules and those only)."""
+    if which == "native":
+        return [{}] + NATIVE
     if M <= 2:
-        return FMA + DOT[:5] + DOT[7:11]
-    return DOT if M <= 8 else DOT[:11]  # no CUDA-core launch for many rows
+        return FMA + DOT[:5] + DOT[7:11] + NATIVE
+    return (DOT if M <= 8 else DOT[:11]) + NATIVE  # no CUDA-core launch for many rows
 
 
-def sweep_gemv(ceiling: float, ms: list[int]) -> list[dict]:
+def sweep_gemv(ceiling: float, ms: list[int], which: str = "all") -> list[dict]:
     rows = []
     for name, K, N in SHAPES:
         copies = max(1, min(16, -(-L2_BYTES // (N * K))))
@@ -100,7 +114,7 @@ def sweep_gemv(ceiling: float, ms: list[int]) -> list[dict]:
                    "pct": 100 * N * K / (t_mm * 1e-6) / ceiling}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            for knobs in candidates(M):
+            for knobs in candidates(M, which):
                 row = {"op": name, "M": M, "K": K, "N": N, "knobs": knobs}
                 try:
                     with tuning.override("fp8_gemv", **{"dot_min_m": 99, "max_m": 64, **knobs}):
@@ -167,6 +181,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", default="1,8,64")
     ap.add_argument("--only", choices=["gemv", "quant"], default=None)
+    ap.add_argument("--candidates", choices=["all", "native"], default="all",
+                    help="native: the launch rules and the native fp8 wgmma launches only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     ms = [int(m) for m in a.m.split(",")]
@@ -175,7 +191,7 @@ def main(argv=None) -> int:
     if a.only in (None, "quant"):
         out["quant"] = sweep_quant(ms)
     if a.only in (None, "gemv"):
-        out["gemv"] = sweep_gemv(ceiling, ms)
+        out["gemv"] = sweep_gemv(ceiling, ms, a.candidates)
         best: dict = {}
         for r in out["gemv"]:
             key = (r["op"], r["M"])
@@ -185,7 +201,7 @@ def main(argv=None) -> int:
         for (op, M), r in best.items():
             print(f"  {op} M={M}: {r['us']:.1f} us ({r['pct']:.0f} % of copy) {r['knobs']}")
         for M in ms:  # geometric mean over shapes of best / candidate
-            for i, knobs in enumerate(candidates(M)):
+            for i, knobs in enumerate(candidates(M, a.candidates)):
                 rs = [r for r in out["gemv"] if r["M"] == M and r["knobs"] == knobs and "us" in r]
                 if len(rs) == len(SHAPES):
                     g = math.exp(sum(math.log(best[(r["op"], M)]["us"] / r["us"]) for r in rs)

@@ -17,7 +17,11 @@ first. Two inner products, by M (`dot_min_m`): below it CUDA-core FMAs on the we
 converted to float32 (one FMA per weight byte and row into a [BLOCK_M, BLOCK_N, BLOCK_K]
 accumulator, summed over BLOCK_K once after the loop), from it tensor cores (`tl.dot` with the
 weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M >= 16], float8
-operands, float32 accumulation promoted after every instruction, `max_num_imprecise_acc=0`).
+operands, float32 accumulation; `promote_k` 0: `max_num_imprecise_acc=0`, every product exact,
+which Triton does by upcasting both tiles to fp16 for Ampere-style MMAs (a conversion per weight
+byte, as the FMA path); `promote_k` 32: native e4m3 wgmma instructions, whose internal sum of 32
+products keeps fewer bits than float32 (~14, DeepSeek-V3 report section 3.3.2), each added to
+the float32 accumulator).
 With split_k > 1 each part writes float32 partial sums (already scaled) and counts its arrival
 on its column block's counter; the part that arrives last adds the parts in the fixed order 0, 1,
 ... (deterministic), adds the bias, rounds, stores and sets the counter back to 0: no second
@@ -77,7 +81,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                      HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, FOLD: tl.constexpr, PROMOTE_K: tl.constexpr,
+                     PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -122,7 +127,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
             q = _quantize(xv.to(tl.float32), sx[:, None], HW_FP8)
         w = _weight(wb, HW_FP8)
         if USE_DOT:
-            acc = tl.dot(w, tl.trans(q), acc, max_num_imprecise_acc=0)
+            acc = tl.dot(w, tl.trans(q), acc, max_num_imprecise_acc=PROMOTE_K)
         else:
             prod = w.to(tl.float32)[None, :, :] * q.to(tl.float32)[:, None, :]
             if FOLD > 1:  # FOLD neighbouring products summed first: a smaller accumulator
@@ -185,7 +190,7 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
             "split_k": split_k, "k_per_split": k_per_split, "block_a": max(64, 2048 // block_m),
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "max_m": cfg["max_m"],
-            "fold": min(cfg["fold"], block_k)}
+            "fold": min(cfg["fold"], block_k), "promote_k": cfg["promote_k"]}
 
 
 def prequantize(device) -> bool:
@@ -234,6 +239,7 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],
-        NUM_STAGES=plan["num_stages"], FOLD=plan["fold"], num_warps=plan["num_warps"],
+        NUM_STAGES=plan["num_stages"], FOLD=plan["fold"], PROMOTE_K=plan["promote_k"],
+        num_warps=plan["num_warps"],
         **pdl_launch(x.device, _fp8_gemv_kernel))
     return y

@@ -91,10 +91,13 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # FP8 activation quantization (ops/triton/fp8_quant.py): rows up to max_tile elements in one
     # register tile, wider ones in two passes; num_warps None = min(32, max(4, tile // 512))
     "fp8_quant": MappingProxyType({"max_tile": 16384, "num_warps": None}),
-    # fold: with FMAs, that many neighbouring products along K summed before the accumulator
+    # fold: with FMAs, that many neighbouring products along K summed before the accumulator;
+    # promote_k: with tensor cores, the K elements one float8 MMA chain sums before its sum is
+    # added to the float32 accumulator (0: every product exact, the operands upcast to fp16 MMAs;
+    # 32: native fp8 wgmma instructions, each promoted: docs/kernels.md, "FP8 linear")
     "fp8_gemv": MappingProxyType({"max_m": 16, "dot_min_m": 4, "block_n": None, "block_k": None,
                                   "split_k": None, "num_warps": 4, "num_stages": 3,
-                                  "prequant": True, "fold": 1}),
+                                  "prequant": True, "fold": 1, "promote_k": 0}),
 })
 
 # No other device has been tuned: the sm_90 values serve everywhere else.
