@@ -15,7 +15,9 @@ from HBM exactly once) and the few x rows (a few KiB, from L2). With a dynamic s
 program recomputes the rows' amax over the whole K itself, so no quantization launch runs
 first. Two inner products, by M (`dot_min_m`): below it CUDA-core FMAs on the weight tile
 converted to float32 (one FMA per weight byte and row into a [BLOCK_M, BLOCK_N, BLOCK_K]
-accumulator, summed over BLOCK_K once after the loop), from it tensor cores (`tl.dot` with the
+accumulator, summed over BLOCK_K once after the loop; for one row a [BLOCK_N, BLOCK_K] one, so the
+weight tile keeps the layout it was loaded in: the 3-D product's broadcast over rows made the
+sm_90 code read the tile back from shared memory one byte at a time), from it tensor cores (`tl.dot` with the
 weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M >= 16], float8
 operands, float32 accumulation; `promote_k` 0: `max_num_imprecise_acc=0`, every product exact,
 which Triton does by upcasting both tiles to fp16 for Ampere-style MMAs (a conversion per weight
@@ -110,6 +112,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
     ks = tl.arange(0, BLOCK_K)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif BLOCK_M == 1 and FOLD == 1:  # one row: no broadcast over rows (see the docstring)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:  # one product per weight element and row, summed over BLOCK_K after the loop
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -128,6 +132,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
         w = _weight(wb, HW_FP8)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(q), acc, max_num_imprecise_acc=PROMOTE_K)
+        elif BLOCK_M == 1 and FOLD == 1:
+            acc2 += w.to(tl.float32) * q.to(tl.float32)
         else:
             prod = w.to(tl.float32)[None, :, :] * q.to(tl.float32)[:, None, :]
             if FOLD > 1:  # FOLD neighbouring products summed first: a smaller accumulator
@@ -135,6 +141,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
             acc3 += prod
     if USE_DOT:
         acc = tl.trans(acc)
+    elif BLOCK_M == 1 and FOLD == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
     else:
         acc = tl.sum(acc3, axis=2)
     w_scale = tl.load(ws_ptr + cols * stride_ws, mask=col_ok, other=0.0).to(tl.float32)
