@@ -47,7 +47,7 @@ CASES = {
     "fp8_gemv": (_fp8_gemv_kernel, dict(STATIC=False, PREQUANT=True, HAS_BIAS=False,
                                         SPLIT=True, EVEN_K=True, USE_DOT=True, HW_FP8=True,
                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_A=1024,
-                                        NUM_STAGES=3, FOLD=1), True),
+                                        NUM_STAGES=3, FOLD=1, PROMOTE_K=0), True),
     "conv_state_step": (_conv_state_step_kernel, dict(K=4, HAS_BIAS=True, BLOCK_P=16,
                                                       BLOCK_N=128), False),
     "rms_norm": (_rms_norm_kernel, dict(HAS_RESIDUAL=True, ADD_NATIVE=False, QUANT=False,
