@@ -383,12 +383,10 @@ class AsyncEngine:
         """Abort every request in flight; each stream ends with finish_reason "abort"."""
         items = []
         for rid, s in list(self._streams.items()):
-            out = self.engine.output_of(rid)
-            for c in out.outputs:
-                if c.finish_reason is None:
-                    c.finish_reason = "abort"
-            out.finished = True
-            self.engine.abort_request(rid)
+            out = self.engine.abort_with_output(rid)
+            if out is None:  # not in the engine (should not happen): the stream still ends
+                items.append((s, EngineStepError(f"request {rid} was no longer in the engine")))
+                continue
             self._observe("on_aborted", len(out.outputs))
             items.append((s, out))
         self._streams.clear()

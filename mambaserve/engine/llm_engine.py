@@ -264,6 +264,17 @@ class LLMEngine:
         del self._parents[request_id]
         return True
 
+    def abort_with_output(self, request_id: str) -> RequestOutput | None:
+        """Abort a request and return its last output (finished; the completions still running
+        end with finish_reason "abort" and their whole text decoded). None if unknown."""
+        children = self._parents.get(request_id)
+        if not children:
+            return None
+        for req in children:
+            if not req.finished:
+                self.scheduler.finish(req, "abort")
+        return self.output_of(request_id)  # every child finished: forgets the request
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 

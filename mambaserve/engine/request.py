@@ -37,6 +37,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_text: str = ""
+    text_stream: object | None = None  # its incremental detokenizer (engine/tokenizer.TextStream)
     index: int = 0  # completion index within its parent request (n > 1)
     parent_id: str | None = None
     # structured output: the request's grammar matcher (structured/grammar.RequestGrammar)

@@ -271,8 +271,12 @@ class Scheduler:
             self._release(req)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        """Mark finished and give back everything the request held (after its rows in flight)."""
+        """Mark finished and give back everything the request held (after its rows in flight).
+        Unless a stop string ended it (then its text is already cut there), its text becomes the
+        whole output decoded once (`StopChecker.final_text`)."""
         req.finish_reason, req.stop_reason = reason, stop_reason
+        if not isinstance(stop_reason, str):
+            self.stop_checker.final_text(req)
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:

@@ -17,6 +17,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class ChatTemplateError(ValueError):
@@ -61,6 +62,10 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def text_stream(self, skip_special_tokens: bool = True) -> TextStream:
+        """An incremental decoder of one sequence of generated tokens (`TextStream`)."""
+        return TextStream(self._tok, skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
@@ -109,6 +114,23 @@ class Tokenizer:
                 raise ChatTemplateError(f"the chat template does not compile: "
                                         f"{type(e).__name__}: {e}") from None
         return self._compiled[1]
+
+
+
+class TextStream:
+    """The text of generated tokens as they arrive, one token at a time, in time independent of
+    how many came before (`tokenizers`' DecodeStream: it decodes a short window of the last
+    tokens and returns what the new token added). `add` returns "" while the token ends in the
+    middle of a UTF-8 character (byte-fallback and byte-level tokens), and the whole character
+    with the token that completes it. Re-decoding the whole output every step, as before, cost
+    O(length) per token: ~200 us per request and step at 500 tokens on a 2-core host."""
+
+    def __init__(self, tok: HFTokenizer, skip_special_tokens: bool) -> None:
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        return self._stream.step(self._tok, token_id) or ""
 
 
 def _token_text(tok) -> str | None:
