@@ -56,3 +56,22 @@ def test_random_token_ids(tok):
         ids = [rng.randrange(3, tok.vocab_size) for _ in range(60)]
         text = _check_stream(tok, ids, skip=True)
         assert tok.decode(ids).startswith(text)
+
+
+class _Failing:
+    """Stands in for a DecodeStream that raises, as tokenizers' does on some byte sequences."""
+
+    def step(self, tok, token_id):
+        raise Exception("Invalid prefix encountered")
+
+
+def test_a_failing_stream_falls_back_to_whole_decodes(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    stream, text = tok.text_stream(True), ""
+    for i, t in enumerate(ids):
+        if i == 7:
+            stream._stream = _Failing()
+        text += stream.add(t)
+        whole = tok.decode(ids[: i + 1])
+        assert whole.startswith(text) and whole[len(text):].strip("\ufffd") == ""
+    assert stream.fell_back and text == TEXT
