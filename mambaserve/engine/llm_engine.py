@@ -254,15 +254,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its completions); frees its slot and pages. False if unknown."""
-        children = self._parents.get(request_id)
-        if not children:
-            return False
-        for req in children:
-            if not req.finished:
-                self.scheduler.finish(req, "abort")
-            self.requests.pop(req.request_id, None)
-        del self._parents[request_id]
-        return True
+        return self.abort_with_output(request_id) is not None
 
     def abort_with_output(self, request_id: str) -> RequestOutput | None:
         """Abort a request and return its last output (finished; the completions still running
