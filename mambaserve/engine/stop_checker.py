@@ -31,7 +31,7 @@ class StopChecker:
             prev = len(req.output_text)
             if req.text_stream is None:
                 req.text_stream = self.tokenizer.text_stream(p.skip_special_tokens)
-            req.output_text += req.text_stream.add(token)
+            req.output_text += req.text_stream.add(req.output_token_ids)
             if p.stop_list and n_out >= p.min_tokens:
                 for stop in p.stop_list:
                     at = req.output_text.find(stop, max(0, prev - len(stop) + 1))

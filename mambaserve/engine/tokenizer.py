@@ -116,7 +116,6 @@ class Tokenizer:
         return self._compiled[1]
 
 
-
 class TextStream:
     """The text of generated tokens as they arrive, one token at a time, in time independent of
     how many came before (`tokenizers`' DecodeStream: it decodes a short window of the last
@@ -133,24 +132,24 @@ class TextStream:
         self._tok = tok
         self._skip = skip_special_tokens
         self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
         self._text = ""  # returned so far
 
     @property
     def fell_back(self) -> bool:
         return self._stream is None
 
-    def add(self, token_id: int) -> str:
-        self._ids.append(token_id)
+    def add(self, ids: list[int]) -> str:
+        """`ids`: the sequence so far (the request's own list), its last token the new one;
+        -> the text that token adds."""
         if self._stream is not None:
             try:
-                new = self._stream.step(self._tok, token_id) or ""
+                new = self._stream.step(self._tok, ids[-1]) or ""
             except Exception:  # noqa: BLE001 - tokenizers raises a plain Exception
                 self._stream = None
             else:
                 self._text += new
                 return new
-        whole = self._tok.decode(self._ids, skip_special_tokens=self._skip).rstrip("\ufffd")
+        whole = self._tok.decode(ids, skip_special_tokens=self._skip).rstrip("\ufffd")
         if len(whole) <= len(self._text) or not whole.startswith(self._text):
             return ""  # nothing new that extends what was returned (never retracted)
         new, self._text = whole[len(self._text):], whole

@@ -25,8 +25,8 @@ def tok(request, tmp_path_factory):
 
 def _check_stream(tok: Tokenizer, ids: list[int], skip: bool) -> str:
     stream, text = tok.text_stream(skip), ""
-    for i, t in enumerate(ids, 1):
-        text += stream.add(t)
+    for i in range(1, len(ids) + 1):
+        text += stream.add(ids[:i])
         whole = tok.decode(ids[:i], skip)
         # what is shown so far is the whole decode without a character still incomplete
         assert whole.startswith(text), (i, whole, text)
@@ -68,10 +68,10 @@ class _Failing:
 def test_a_failing_stream_falls_back_to_whole_decodes(tok):
     ids = tok.encode(TEXT, add_special_tokens=False)
     stream, text = tok.text_stream(True), ""
-    for i, t in enumerate(ids):
+    for i in range(len(ids)):
         if i == 7:
             stream._stream = _Failing()
-        text += stream.add(t)
+        text += stream.add(ids[: i + 1])
         whole = tok.decode(ids[: i + 1])
         assert whole.startswith(text) and whole[len(text):].strip("\ufffd") == ""
     assert stream.fell_back and text == TEXT

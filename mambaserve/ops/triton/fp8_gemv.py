@@ -15,10 +15,10 @@ from HBM exactly once) and the few x rows (a few KiB, from L2). With a dynamic s
 program recomputes the rows' amax over the whole K itself, so no quantization launch runs
 first. Two inner products, by M (`dot_min_m`): below it CUDA-core FMAs on the weight tile
 converted to float32 (one FMA per weight byte and row into a [BLOCK_M, BLOCK_N, BLOCK_K]
-accumulator, summed over BLOCK_K once after the loop; for one row a [BLOCK_N, BLOCK_K] one, so the
-weight tile keeps the layout it was loaded in: the 3-D product's broadcast over rows made the
-sm_90 code read the tile back from shared memory one byte at a time), from it tensor cores (`tl.dot` with the
-weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M >= 16], float8
+accumulator, summed over BLOCK_K once after the loop; for one row a [BLOCK_N, BLOCK_K] one, so
+the weight tile keeps the layout it was loaded in: the 3-D product's broadcast over rows made the
+sm_90 code read the tile back from shared memory one byte at a time), from it tensor cores
+(`tl.dot` with the weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M >= 16], float8
 operands, float32 accumulation; `promote_k` 0: `max_num_imprecise_acc=0`, every product exact,
 which Triton does by upcasting both tiles to fp16 for Ampere-style MMAs (a conversion per weight
 byte, as the FMA path); `promote_k` 32: native e4m3 wgmma instructions, whose internal sum of 32
