@@ -131,12 +131,11 @@ def test_gpu_triton_quantization_matches_the_reference_bit_for_bit(static, K):
     scale = torch.tensor(0.01, device="cuda") if static else None
     q, s = quantize_fp8_triton(x, scale)
     qr, sr = quantize_fp8_ref(x, scale)
-    # the scale within one float32 ulp: torch divides a CUDA tensor by a Python scalar as a
-    # multiplication by its reciprocal, the kernel divides (div_rn)
     torch.testing.assert_close(s, sr, rtol=2.0 ** -23, atol=0)
-    # the elements bit for bit, given the scale: x / scale (IEEE division of two CUDA tensors),
-    # clamped, rounded to nearest even by the cast
-    qs = (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    # the elements bit for bit, given the scale: x times the scale's reciprocal (each an IEEE
+    # operation, as the kernel's div_rn(1, scale) and product), clamped, rounded to nearest
+    # even by the cast
+    qs = (x.float() * s.reciprocal()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     assert torch.equal(q.view(torch.uint8), qs.view(torch.uint8))
     assert (q.float() - qr.float()).abs().le(qr.float().abs() * 2.0 ** -3 + 2.0 ** -9).all()
 

@@ -122,7 +122,14 @@ def test_gated_rmsnorm_writes_the_quantization_of_its_output(T, G, group, norm_b
     out = gated_rmsnorm_triton(*args)
     assert out_dtype == out.dtype
     qr, sr = quantize_fp8_ref(out)
-    assert torch.equal(s, sr) and torch.equal(_codes(q), _codes(qr))
+    if dtype == torch.float32 and DEV == "cuda":
+        # compiled, the whole-row and per-group kernels sum each group in different orders, and a
+        # float32 output keeps that last-ulp difference: scales within 1 ulp, codes within 1 step
+        torch.testing.assert_close(s, sr, rtol=2.0**-22, atol=0)
+        step = (_codes(q).int() - _codes(qr).int()).abs()
+        assert step.max() <= 1 and step.float().mean() < 0.01
+    else:
+        assert torch.equal(s, sr) and torch.equal(_codes(q), _codes(qr))
 
 
 def test_public_gated_rmsnorm_returns_fp8_rows():

@@ -6,7 +6,9 @@ program streams its weight tile [BLOCK_N, K part] in steps of BLOCK_K columns an
 (a few KiB, from L2). Two inner products (`use_dot`):
 - CUDA-core FMAs: a [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator takes one product per weight
   element and row in every step; it is summed over BLOCK_K once, after the loop (no reduction
-  across threads inside the loop);
+  across threads inside the loop). One row accumulates in a [BLOCK_N, BLOCK_K] one, so the
+  weight tile keeps the layout it was loaded in (the 3-D product's broadcast over rows made the
+  sm_90 code read the tile back from shared memory one bf16 at a time, as in the FP8 kernel);
 - tensor cores: `tl.dot` with the weight tile as the left operand ("swap AB": [BLOCK_N, BLOCK_K]
   x [BLOCK_K, BLOCK_M >= 16]), whose operand loads Triton's pipeliner stages `num_stages` deep.
 Both accumulate in float32 and round once to the output dtype.
@@ -66,6 +68,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
     x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif BLOCK_M == 1:  # one row: no broadcast over rows (see the docstring)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -90,10 +94,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
                 acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(xv), acc)
+        elif BLOCK_M == 1:  # xv [1, BLOCK_K] broadcast down the tile's columns
+            acc2 += w.to(tl.float32) * xv.to(tl.float32)
         else:
             acc3 += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
     if USE_DOT:
         y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    elif BLOCK_M == 1:
+        y = tl.sum(acc2, axis=1)[None, :]
     else:
         y = tl.sum(acc3, axis=2)
     out_mask = row_ok[:, None] & col_ok[None, :]
