@@ -4,7 +4,8 @@ sizes' alignment as the `DIV` constexpr and `aligned` hands it to the compiler. 
 PTX Triton generates for a Hopper (sm_90; compiled on the host in a subprocess without the
 interpreter, no GPU needed). Without it the elementwise passes moved one bf16 element per load
 and ran at ~1/3 of the copy ceiling on an H100 (docs/kernels.md). Also: the RMSNorm that writes
-FP8 rows stores its codes in the layout of its loads."""
+FP8 rows stores its codes in the layout of its loads, and the few-rows linears at one row read
+their weight tiles from shared memory in whole words."""
 
 from __future__ import annotations
 
@@ -58,6 +59,29 @@ for quant in (False, True):
     report[f"rms_norm/{'fp8' if quant else 'bf16'}"] = {
         "barriers": len(re.findall(r"bar\.sync", ptx)),
         "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx)))}
+# the few-rows linears at one row, pipelined as launched: which shared-memory reads feed the FMAs
+from mambaserve.ops.triton.fp8_gemv import _fp8_gemv_kernel
+from mambaserve.ops.triton.gemv import _gemv_kernel
+ONE_ROW = {
+    "gemv": (_gemv_kernel, dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, USE_DOT=False,
+                                IEEE=False, ACT=0, HAS_ADD=False, BLOCK_M=1, BLOCK_N=8,
+                                BLOCK_K=256, NUM_STAGES=4, PDL=0), "*bf16"),
+    "fp8_gemv": (_fp8_gemv_kernel, dict(STATIC=False, PREQUANT=True, HAS_BIAS=False, SPLIT=False,
+                                        EVEN_K=True, USE_DOT=False, HW_FP8=True, BLOCK_M=1,
+                                        BLOCK_N=8, BLOCK_K=512, BLOCK_A=2048, NUM_STAGES=3,
+                                        FOLD=1, PROMOTE_K=0, PDL=0), "*fp8e4nv"),
+}
+for name, (kernel, const, operand) in ONE_ROW.items():
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in const else
+           ("*fp32" if n in ("ws_ptr", "in_scale_ptr", "part_ptr") else "*i32" if n == "cnt_ptr"
+            else operand if n in ("x_ptr", "w_ptr") else "*bf16")
+           if n.endswith("_ptr") else "i32" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_wn", "k_per_split")}
+    ptx = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    report[f"one_row/{name}"] = sorted(set(re.findall(r"ld\.shared[.\w]*", ptx)))
 print(json.dumps(report))
 '''
 
@@ -101,3 +125,11 @@ def test_fp8_rmsnorm_stores_codes_in_the_layout_of_its_loads(widths):
     plain, fp8 = widths["rms_norm/bf16"], widths["rms_norm/fp8"]
     assert fp8["stores"] == ["st.global.b32", "st.global.v2.b32", "st.global.v4.b32"], fp8
     assert fp8["barriers"] <= plain["barriers"] + 3, (plain, fp8)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv"])
+def test_one_row_linears_read_the_weight_tile_in_words(widths, kernel):
+    # one row accumulates [BLOCK_N, BLOCK_K] products in the weight tile's own layout: the 3-D
+    # product's broadcast over rows read the pipelined tile back from shared memory one element
+    # at a time (ld.shared.b16 / .b8) and ran slower (docs/kernels.md, "Few-rows linear")
+    assert widths[f"one_row/{kernel}"] == ["ld.shared.b32"], widths[f"one_row/{kernel}"]
