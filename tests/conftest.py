@@ -3,6 +3,7 @@ saved by transformers, with a byte-level tokenizer; and the HF model as the refe
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_checkpoint import add_byte_tokenizer, load_hf, make_tiny_checkpoint  # noqa: E402
 
-torch.set_num_threads(2)
+# the README's test command runs the suite on two pytest-xdist workers (`-n 2`): one torch thread
+# each on the 2-core machine it is sized for; two threads without xdist
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")
