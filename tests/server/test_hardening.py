@@ -125,12 +125,12 @@ def _health_during_big_requests(server, calls: list[float]) -> tuple[list[float]
     return during, window
 
 
-def test_health_answers_within_50ms_while_big_requests_are_parsed(server, monkeypatch):
+def test_health_answers_within_100ms_while_big_requests_are_parsed(server, monkeypatch):
     """Four batches of 255 prompts that fit and one that does not, ~1 M characters each, sent
     by another process (as clients are): all of it is tokenized, on the parse pool, before the
-    last prompt is refused. /health meanwhile answers within 50 ms (typically 15-30 ms at worst
-    here; parsing on the event loop gives 200-600 ms). A second try is allowed, for a moment
-    when something else on this shared 2-core machine took the CPU."""
+    last prompt is refused. /health meanwhile answers within 100 ms (typically 15-30 ms at worst
+    here alone; parsing on the event loop gives 200-600 ms). The bound and a second try leave
+    room for the other pytest-xdist worker's test, which shares this 2-core machine."""
     tok = server.engine.tokenizer
     calls: list[float] = []
     real = tok.encode
@@ -139,7 +139,7 @@ def test_health_answers_within_50ms_while_big_requests_are_parsed(server, monkey
     for _ in range(2):
         during, window = _health_during_big_requests(server, calls)
         worst.append(during[-1])
-        if during[-1] < 0.05:
+        if during[-1] < 0.1:
             return
     pytest.fail(f"/health took {[round(w * 1000) for w in worst]} ms at worst while requests "
                 "were parsed")
