@@ -4,7 +4,8 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode gemv decode-kernels fp8-serve fp8-sweep pdl dense-attn
+#         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve fp8-sweep
+#         pdl dense-attn
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -68,6 +69,15 @@ stage_check() {  # exactness of the engine on CUDA vs transformers (tiny model),
 }
 stage_gemv() {  # the few-rows linear vs cuBLAS at the presets' decode shapes (kernels.md)
     run gemv 300 $PY scripts/gemv_sweep.py --out "$W/gemv_sweep.json"
+}
+stage_gemv-rules() {  # the few-rows linear's one-row rules inside the engine: batch-1 decode of
+    # Granite-micro and the 9B profiled per launch grid, the default rules vs FMAs at every shape
+    for p in granite-4.0-h-micro $PRESET; do
+        for r in default fma-one-row; do
+            run "gemv-rules-$p-$r" 200 $PY scripts/gemv_rules_in_engine.py --preset $p --rules $r \
+                --out "$W/gemv_rules_${p}_$r.json"
+        done
+    done
 }
 stage_decode-kernels() {  # the small per-layer decode kernels' launch settings (kernels.md)
     run decode-kernels 300 $PY scripts/decode_small_kernels_sweep.py \

@@ -15,7 +15,9 @@ the evidence docs/benchmarks.md cites for what bounds a missed target.
         --input-len 2048 --steps 8 --engine enforce_eager=false --out prof.json
 
 On CUDA the kernel times come from the profiler's trace (CUPTI: kernels replayed inside a CUDA
-graph are seen too); on the CPU (smoke test) from the operators' self CPU time.
+graph are seen too); on the CPU (smoke test) from the operators' self CPU time. `--by-grid` times
+each CUDA kernel per launch grid, so the launches of one kernel at different shapes (each
+projection of a decode step through the few-rows linear) get a row each.
 """
 
 from __future__ import annotations
@@ -79,27 +81,43 @@ class PhaseProfile:
     notes: list[str] = field(default_factory=list)
 
 
-def _kernel_times(prof, device: torch.device) -> tuple[dict[str, list[float]], float]:
-    """{name: [total seconds, calls]} and the busy time (union of intervals)."""
+def trace_kernel_times(events: list[dict], by_grid: bool = False
+                       ) -> tuple[dict[str, list[float]], float]:
+    """From a CUDA chrome trace's events: {name: [total seconds, calls]} of the device's
+    kernels, copies and memsets, and the busy time (union of their intervals). `by_grid`: a
+    kernel's name carries its launch grid ("NAME grid XxYxZ"), so that the launches of one kernel
+    at different shapes or launch settings (each projection of a decode step) are timed apart."""
     times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    spans = []
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            name = e["name"]
+            grid = (e.get("args") or {}).get("grid")
+            if by_grid and e.get("cat") == "kernel" and grid:
+                name = f"{name} grid {'x'.join(str(g) for g in grid)}"
+            t = times[name]
+            t[0] += e["dur"] * 1e-6
+            t[1] += 1
+            spans.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return dict(times), busy * 1e-6
+
+
+def _kernel_times(prof, device: torch.device, by_grid: bool = False
+                  ) -> tuple[dict[str, list[float]], float]:
+    """{name: [total seconds, calls]} and the busy time (CUDA: `trace_kernel_times`; CPU: the
+    operators' self time, by name only)."""
     if device.type == "cuda":
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "trace.json"
             prof.export_chrome_trace(str(path))
             events = json.loads(path.read_text()).get("traceEvents", [])
-        spans = []
-        for e in events:
-            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-                t = times[e["name"]]
-                t[0] += e["dur"] * 1e-6
-                t[1] += 1
-                spans.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-        busy, end = 0.0, float("-inf")
-        for a, b in sorted(spans):
-            if b > end:
-                busy += b - max(a, end)
-                end = b
-        return dict(times), busy * 1e-6
+        return trace_kernel_times(events, by_grid)
+    times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in prof.key_averages():
         if e.self_cpu_time_total > 0:
             t = times[e.key]
@@ -122,8 +140,8 @@ def _profiled(fn, device: torch.device):
 
 
 def _phase(name: str, prof, wall: float, steps: int, device: torch.device, top: int,
-           **extra) -> PhaseProfile:
-    times, busy = _kernel_times(prof, device)
+           by_grid: bool = False, **extra) -> PhaseProfile:
+    times, busy = _kernel_times(prof, device, by_grid)
     groups: dict[str, float] = defaultdict(float)
     for k, (s, _) in times.items():
         groups[group_of(k)] += s
@@ -132,9 +150,10 @@ def _phase(name: str, prof, wall: float, steps: int, device: torch.device, top: 
 
 
 def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
-                  log=print, mixed_len: int = 0) -> list[PhaseProfile]:
+                  log=print, mixed_len: int = 0, by_grid: bool = False) -> list[PhaseProfile]:
     """Profile the prefill of one batch, `decode_steps` decode steps after it and, when
-    `mixed_len` > 0, the steps that prefill one more prompt of that length beside the decodes."""
+    `mixed_len` > 0, the steps that prefill one more prompt of that length beside the decodes.
+    `by_grid`: CUDA kernels timed per launch grid (`trace_kernel_times`)."""
     from mambaserve.bench.presets import materialize_preset
     from mambaserve.config import ModelConfig, resolve_dtype
     from mambaserve.engine.sampling_params import SamplingParams
@@ -191,11 +210,12 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
             return decode_steps
 
         prof, wall, steps = _profiled(prefill, device)
-        pre = _phase("prefill", prof, wall, steps, device, top,
+        pre = _phase("prefill", prof, wall, steps, device, top, by_grid,
                      matmul_flops=2.0 * (counts.per_token * b * n + counts.lm_head * b))
         prof, wall, steps = _profiled(decode, device)
         weight_bytes = (counts.params - counts.embedding) * dtype.itemsize
-        dec = _phase("decode", prof, wall, steps, device, top, matmul_bytes=float(weight_bytes))
+        dec = _phase("decode", prof, wall, steps, device, top, by_grid,
+                     matmul_bytes=float(weight_bytes))
         phases = [pre, dec]
         if mixed_len:
             new = f"m{backend.counter + 1}"
@@ -213,7 +233,7 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
                         return steps
 
             prof, wall, steps = _profiled(mixed, device)
-            phases.append(_phase("mixed", prof, wall, steps, device, top))
+            phases.append(_phase("mixed", prof, wall, steps, device, top, by_grid))
             phases[-1].notes.append(f"one {mixed_len}-token prompt prefilled beside {b} decoding "
                                     f"rows in {steps} step(s)")
         while eng.has_unfinished_requests():
@@ -265,6 +285,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "while the batch decodes (0: skip)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs on the same shapes")
     p.add_argument("--top", type=int, default=15, help="kernels listed per phase")
+    p.add_argument("--by-grid", action="store_true",
+                   help="time each CUDA kernel per launch grid (e.g. every projection of a "
+                        "decode step apart)")
     p.add_argument("--out", default=None, help="write the phases as JSON")
 
 
@@ -273,7 +296,8 @@ def run_cli(a: argparse.Namespace) -> int:
     c = OneBatchConfig(model=a.model, preset=a.preset, batch_sizes=[a.batch_size],
                        input_lens=[a.input_len], device=a.device, dtype=a.dtype,
                        warmup=a.warmup, seed=a.seed, engine=parse_settings(a.engine))
-    phases = profile_batch(c, decode_steps=a.steps, top=a.top, mixed_len=a.mixed_len)
+    phases = profile_batch(c, decode_steps=a.steps, top=a.top, mixed_len=a.mixed_len,
+                           by_grid=a.by_grid)
     if a.out:
         Path(a.out).write_text(json.dumps([asdict(p) for p in phases], indent=1))
     return 0

@@ -7,7 +7,12 @@ import json
 import pytest
 
 from mambaserve.bench.one_batch import OneBatchConfig
-from mambaserve.bench.profile import format_phase, group_of, profile_batch
+from mambaserve.bench.profile import (
+    format_phase,
+    group_of,
+    profile_batch,
+    trace_kernel_times,
+)
 from mambaserve.cli import main
 
 
@@ -68,3 +73,25 @@ def test_profile_cli_writes_json_and_rejects_bad_input(tmp_path, capsys):
     assert [p["phase"] for p in phases] == ["prefill", "decode"]
     assert main(["bench", "profile", "--preset", "tiny", "--steps", "0"]) == 2
     assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+def test_trace_kernel_times_by_name_and_by_grid():
+    """A CUDA trace's kernels summed per name, or per name and launch grid; the busy time is
+    the union of the device intervals (overlaps counted once); host events are ignored."""
+    def k(name, ts, dur, grid, cat="kernel"):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"grid": grid}}
+
+    events = [k("_gemv_kernel", 0, 10, [2832, 1, 1]), k("_gemv_kernel", 10, 6, [560, 1, 1]),
+              k("_gemv_kernel", 20, 10, [2832, 1, 1]), k("_rms_norm_kernel", 25, 10, [1, 1, 1]),
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 40, "dur": 2},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    times, busy = trace_kernel_times(events)
+    assert times == {"_gemv_kernel": [pytest.approx(26e-6), 3],
+                     "_rms_norm_kernel": [pytest.approx(10e-6), 1],
+                     "Memcpy DtoH": [pytest.approx(2e-6), 1]}
+    assert busy == pytest.approx(33e-6)  # [0, 16] + [20, 35] + [40, 42]
+    times, busy_grid = trace_kernel_times(events, by_grid=True)
+    assert times["_gemv_kernel grid 2832x1x1"] == [pytest.approx(20e-6), 2]
+    assert times["_gemv_kernel grid 560x1x1"] == [pytest.approx(6e-6), 1]
+    assert "Memcpy DtoH" in times and busy_grid == busy
+    assert group_of("_gemv_kernel grid 2832x1x1") == "matmul"
