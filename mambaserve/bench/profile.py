@@ -86,7 +86,8 @@ def trace_kernel_times(events: list[dict], by_grid: bool = False
     """From a CUDA chrome trace's events: {name: [total seconds, calls]} of the device's
     kernels, copies and memsets, and the busy time (union of their intervals). `by_grid`: a
     kernel's name carries its launch grid ("NAME grid XxYxZ"), so that the launches of one kernel
-    at different shapes or launch settings (each projection of a decode step) are timed apart."""
+    at different shapes or launch settings (each projection of a decode step) are timed apart;
+    launches of equal grids still share a row (e.g. two projections of the same N and block)."""
     times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     spans = []
     for e in events:
