@@ -4,8 +4,8 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve fp8-sweep
-#         pdl dense-attn
+#         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve
+#         fp8-sweep pdl dense-attn
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit

@@ -18,8 +18,8 @@ converted to float32 (one FMA per weight byte and row into a [BLOCK_M, BLOCK_N, 
 accumulator, summed over BLOCK_K once after the loop; for one row a [BLOCK_N, BLOCK_K] one, so
 the weight tile keeps the layout it was loaded in: the 3-D product's broadcast over rows made the
 sm_90 code read the tile back from shared memory one byte at a time), from it tensor cores
-(`tl.dot` with the weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M >= 16], float8
-operands, float32 accumulation; `promote_k` 0: `max_num_imprecise_acc=0`, every product exact,
+(`tl.dot` with the weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K,
+BLOCK_M >= 16], float8 operands, float32 accumulation; `promote_k` 0: `max_num_imprecise_acc=0`, every product exact,
 which Triton does by upcasting both tiles to fp16 for Ampere-style MMAs (a conversion per weight
 byte, as the FMA path); `promote_k` 32: native e4m3 wgmma instructions, whose internal sum of 32
 products keeps fewer bits than float32 (~14, DeepSeek-V3 report section 3.3.2), each added to
