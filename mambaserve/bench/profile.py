@@ -79,6 +79,8 @@ class PhaseProfile:
     matmul_flops: float = 0.0  # prefill: the weight matmuls' FLOPs
     matmul_bytes: float = 0.0  # decode: the weights the matmuls read
     notes: list[str] = field(default_factory=list)
+    # CUDA: where the device waited within the phase (`trace_idle`); empty on the CPU
+    idle: dict = field(default_factory=dict)
 
 
 def trace_kernel_times(events: list[dict], by_grid: bool = False
@@ -108,23 +110,57 @@ def trace_kernel_times(events: list[dict], by_grid: bool = False
     return dict(times), busy * 1e-6
 
 
+PHASE_MARK = "mambaserve_profiled_phase"  # the host range `_profiled` wraps the steps in
+
+
+def trace_idle(events: list[dict], largest: int = 5) -> dict:
+    """Where the device waited for the host within the `PHASE_MARK` range of a CUDA chrome
+    trace: before its first kernel (the step's host preparation), after its last (the host's
+    end of step: sampling, outputs), and in the gaps between kernels, with the `largest` gaps
+    and the kernels on either side of each. Seconds; {} without the mark or device events."""
+    mark = [e for e in events if e.get("name") == PHASE_MARK and "dur" in e
+            and e.get("cat") != "gpu_user_annotation"]
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not mark or not spans:
+        return {}
+    start, stop = float(mark[0]["ts"]), float(mark[0]["ts"]) + float(mark[0]["dur"])
+    gaps = []  # (seconds, at seconds after the start, before, after)
+    end, last = spans[0][1], spans[0][2]
+    for a, b, name in spans[1:]:
+        if a > end:
+            gaps.append(((a - end) * 1e-6, (end - start) * 1e-6, last, name))
+        if b >= end:
+            end, last = b, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"before_first_s": max(0.0, spans[0][0] - start) * 1e-6,
+            "after_last_s": max(0.0, stop - end) * 1e-6,
+            "between_s": sum(g[0] for g in gaps), "gaps": len(gaps),
+            "largest": [{"s": g[0], "at_s": g[1], "after": g[2], "before": g[3]}
+                        for g in gaps[:largest]]}
+
+
+def _trace_events(prof) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text()).get("traceEvents", [])
+
+
 def _kernel_times(prof, device: torch.device, by_grid: bool = False
-                  ) -> tuple[dict[str, list[float]], float]:
-    """{name: [total seconds, calls]} and the busy time (CUDA: `trace_kernel_times`; CPU: the
-    operators' self time, by name only)."""
+                  ) -> tuple[dict[str, list[float]], float, dict]:
+    """{name: [total seconds, calls]}, the busy time and where the device idled (CUDA:
+    `trace_kernel_times`, `trace_idle`; CPU: the operators' self time, by name only, no idle)."""
     if device.type == "cuda":
-        with tempfile.TemporaryDirectory() as d:
-            path = Path(d) / "trace.json"
-            prof.export_chrome_trace(str(path))
-            events = json.loads(path.read_text()).get("traceEvents", [])
-        return trace_kernel_times(events, by_grid)
+        events = _trace_events(prof)
+        return (*trace_kernel_times(events, by_grid), trace_idle(events))
     times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in prof.key_averages():
         if e.self_cpu_time_total > 0:
             t = times[e.key]
             t[0] += e.self_cpu_time_total * 1e-6
             t[1] += e.count
-    return dict(times), sum(t[0] for t in times.values())
+    return dict(times), sum(t[0] for t in times.values()), {}
 
 
 def _profiled(fn, device: torch.device):
@@ -134,20 +170,21 @@ def _profiled(fn, device: torch.device):
     with torch.profiler.profile(activities=acts) as prof:
         sync(device)
         t0 = time.perf_counter()
-        steps = fn()
-        sync(device)
+        with torch.profiler.record_function(PHASE_MARK):
+            steps = fn()
+            sync(device)
         wall = time.perf_counter() - t0
     return prof, wall, steps
 
 
 def _phase(name: str, prof, wall: float, steps: int, device: torch.device, top: int,
            by_grid: bool = False, **extra) -> PhaseProfile:
-    times, busy = _kernel_times(prof, device, by_grid)
+    times, busy, idle = _kernel_times(prof, device, by_grid)
     groups: dict[str, float] = defaultdict(float)
     for k, (s, _) in times.items():
         groups[group_of(k)] += s
     ranked = sorted(((k, s, int(c)) for k, (s, c) in times.items()), key=lambda r: -r[1])
-    return PhaseProfile(name, steps, wall, busy, dict(groups), ranked[:top], **extra)
+    return PhaseProfile(name, steps, wall, busy, dict(groups), ranked[:top], idle=idle, **extra)
 
 
 def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
@@ -273,6 +310,14 @@ def format_phase(p: PhaseProfile) -> str:
         short = name if len(name) < 70 else name[:67] + "..."
         lines.append(f"| `{short}` | {group_of(name)} | {s * per:.3f} | {calls / p.steps:g} |")
     lines += p.notes
+    if p.idle:
+        i = p.idle
+        lines.append(f"device idle per step: {i['before_first_s'] * per:.3f} ms before the first "
+                     f"kernel, {i['after_last_s'] * per:.3f} ms after the last, "
+                     f"{i['between_s'] * per:.3f} ms in {i['gaps'] / p.steps:g} gaps between")
+        for g in i["largest"]:
+            lines.append(f"  gap {g['s'] * 1e3:.3f} ms at {g['at_s'] * 1e3:.3f} ms: after "
+                         f"`{g['after'][:50]}`, before `{g['before'][:50]}`")
     return "\n".join(lines)
 
 

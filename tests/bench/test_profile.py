@@ -8,9 +8,11 @@ import pytest
 
 from mambaserve.bench.one_batch import OneBatchConfig
 from mambaserve.bench.profile import (
+    PHASE_MARK,
     format_phase,
     group_of,
     profile_batch,
+    trace_idle,
     trace_kernel_times,
 )
 from mambaserve.cli import main
@@ -22,7 +24,8 @@ from mambaserve.cli import main
     ("_paged_attention_kernel", "attention"), ("_write_kv_kernel", "attention"),
     ("_gated_rmsnorm_kernel", "norm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "matmul"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"), ("aten::mm", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("aten::mm", "matmul"),
     ("_gemv_kernel", "matmul"), ("_fp8_gemv_kernel", "matmul"), ("_silu_mul_kernel", "elementwise"),
     ("Memcpy DtoD (Device -> Device)", "copy"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::silu>", "elementwise"),
@@ -95,3 +98,28 @@ def test_trace_kernel_times_by_name_and_by_grid():
     assert times["_gemv_kernel grid 560x1x1"] == [pytest.approx(6e-6), 1]
     assert "Memcpy DtoH" in times and busy_grid == busy
     assert group_of("_gemv_kernel grid 2832x1x1") == "matmul"
+
+
+def test_trace_idle_splits_the_waits_before_between_and_after_the_kernels():
+    """The host range of the phase [100, 200] µs, kernels in [110, 130], [125, 140] (overlap:
+    no gap), [150, 160], [190, 195]: 10 µs before the first, 5 after the last, gaps of 10 and
+    30 between, the largest first with the kernels around it; a gpu_user_annotation of the same
+    name (the device's copy of the range) is not the host range."""
+    def k(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [{"cat": "gpu_user_annotation", "name": PHASE_MARK, "ts": 0, "dur": 500},
+              {"cat": "user_annotation", "name": PHASE_MARK, "ts": 100, "dur": 100},
+              k("a", 110, 20), k("b", 125, 15), k("c", 150, 10),
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 190, "dur": 5}]
+    idle = trace_idle(events)
+    assert idle["before_first_s"] == pytest.approx(10e-6)
+    assert idle["after_last_s"] == pytest.approx(5e-6)
+    assert idle["between_s"] == pytest.approx(40e-6) and idle["gaps"] == 2
+    first, second = idle["largest"]
+    assert first == {"s": pytest.approx(30e-6), "at_s": pytest.approx(60e-6), "after": "c",
+                     "before": "Memcpy DtoH"}
+    assert second["after"] == "b" and second["before"] == "c"
+    assert second["s"] == pytest.approx(10e-6)
+    assert trace_idle(events[2:]) == {}  # no host range
+    assert trace_idle(events[:2]) == {}  # no device events
