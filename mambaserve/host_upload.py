@@ -1,18 +1,20 @@
-"""Pack host arrays into one buffer, pin it, copy it to the device once: the only way a step's
-host-built data (forward metadata, sampling parameters, CUDA-graph inputs) reaches the device.
+"""Pack host arrays into one buffer, copy it to the device once: the only way a step's host-built
+data (forward metadata, sampling parameters, CUDA-graph inputs) reaches the device.
 
 `upload(parts, device)` takes named numpy arrays of any fixed-size dtype (int64, int32, float32,
-bool), lays them out in one byte buffer (each part 16-byte aligned), copies the buffer with ONE
-host-to-device copy (from pinned memory on CUDA, non-blocking: no sync) and returns typed, shaped
-views into it. On a CPU the host buffer itself is returned, viewed the same way.
-`copy_into(host, dst)` is the same single copy into a buffer that already lives on the device
-(the CUDA graphs' static inputs); `views(buf, specs)` gives the typed views of a byte buffer laid
-out as `pack` lays out parts of those dtypes and shapes (a prefill graph's static buffer).
+bool, uint8), lays them out in one byte buffer (each part 16-byte aligned), copies the buffer
+with ONE host-to-device copy (on CUDA from a reused pinned staging buffer, `PinnedStaging`,
+non-blocking: no sync) and returns typed, shaped views into it. On a CPU the host buffer itself
+is returned, viewed the same way. `copy_into(host, dst)` is one copy into a buffer that already
+lives on the device (a CUDA graph's capture inputs); `views(buf, specs)` gives the typed views
+of a byte buffer laid out as `pack` lays out parts of those dtypes and shapes (a prefill graph's
+static buffer).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -23,7 +25,8 @@ import torch
 # differently (seconds of device idle on the first such step).
 _ALIGN = 16
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool}
+                 np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool,
+                 np.dtype(np.uint8): torch.uint8}  # a graph's static bytes (engine/runner.py)
 
 
 Spec = tuple[np.dtype, tuple[int, ...]]  # a part's dtype and shape
@@ -46,38 +49,113 @@ def _specs(parts: dict[str, np.ndarray]) -> dict[str, Spec]:
     return {name: (a.dtype, a.shape) for name, a in parts.items()}
 
 
+def _fill(out: np.ndarray, parts: dict[str, np.ndarray], offsets: dict[str, int]) -> None:
+    for name, a in parts.items():
+        o = offsets[name]
+        out[o: o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
 def pack(parts: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, int]]:
     """One uint8 host buffer holding every part, and each part's byte offset in it."""
     offsets, total = layout(_specs(parts))
     buf = np.zeros(max(total, _ALIGN), dtype=np.uint8)  # never empty: views need a stride
-    for name, a in parts.items():
-        o = offsets[name]
-        buf[o: o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    _fill(buf, parts, offsets)
     return buf, offsets
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)  # the one upload: no sync
-    return host
-
-
 def views(buf: torch.Tensor, specs: dict[str, Spec]) -> dict[str, torch.Tensor]:
-    """Typed, shaped views of a uint8 buffer (host or device) laid out by `layout(specs)`."""
+    """Typed, shaped views of a uint8 buffer (host or device) laid out by `layout(specs)`: per
+    dtype one typed view of the buffer cut into every part of that dtype by one split (a handful
+    of torch calls per step instead of three per part: they are host time before the step's
+    first kernel)."""
     offsets, total = layout(specs)
     assert buf.dtype == torch.uint8 and buf.numel() >= total, (buf.dtype, buf.numel(), total)
-    out = {}
-    for name, (dtype, shape) in specs.items():
-        dtype, o = np.dtype(dtype), offsets[name]
-        n = dtype.itemsize * math.prod(shape)
-        out[name] = buf[o: o + n].view(_TORCH_DTYPES[dtype]).view(tuple(shape))
-    return out
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[np.dtype, list[str]] = {}
+    for name, (dtype, _) in specs.items():
+        by_dtype.setdefault(np.dtype(dtype), []).append(name)
+    for dtype, names in by_dtype.items():
+        size = dtype.itemsize
+        typed = buf[:total].view(_TORCH_DTYPES[dtype])  # offsets and total: multiples of 16
+        sizes, cursor = [], 0
+        for name in names:  # in layout order: [gap, part] pairs, then the tail
+            start, n = offsets[name] // size, math.prod(specs[name][1])
+            sizes += [start - cursor, n]
+            cursor = start + n
+        sizes.append(total // size - cursor)
+        pieces = torch.split_with_sizes(typed, sizes)
+        for i, name in enumerate(names):
+            shape = tuple(specs[name][1])
+            piece = pieces[2 * i + 1]
+            out[name] = piece if len(shape) == 1 else piece.view(shape)
+    return {name: out[name] for name in specs}
+
+
+class PinnedStaging:
+    """Pinned host buffers reused in turn for uploads. A fresh pinned buffer per step
+    (`pin_memory()`, torch's caching host allocator) stalled the host 2-6 ms in the first step
+    of a new request on an H100 (docs/benchmarks.md, "Host time before a prefill's first
+    kernel"); these buffers are allocated once (grown to the largest upload seen). A buffer is
+    taken again only when the event recorded after its last copy has completed (`query`, never
+    a wait); with every buffer still in flight a fresh one is used instead, so no upload waits."""
+
+    def __init__(self, slots: int = 4, min_bytes: int = 1 << 16) -> None:
+        self.min_bytes = min_bytes
+        self.bufs: list[tuple[torch.Tensor, np.ndarray] | None] = [None] * slots
+        self.events: list = [None] * slots  # torch.cuda.Event of each buffer's last copy
+        self.next = 0
+        self.lock = threading.Lock()  # the engine uploads from one thread; tests may not
+
+    def copy(self, parts: dict[str, np.ndarray], offsets: dict[str, int], size: int,
+             device: torch.device) -> torch.Tensor:
+        """`parts` laid out at `offsets` in `size` bytes, copied to `device` (non-blocking)."""
+        with self.lock:
+            for _ in range(len(self.bufs)):
+                i, self.next = self.next, (self.next + 1) % len(self.bufs)
+                event = self.events[i]
+                if event is not None and not event.query():
+                    continue
+                held = self.bufs[i]
+                if held is None or held[1].size < size:
+                    pinned = self._alloc(max(self.min_bytes, 1 << (size - 1).bit_length()))
+                    held = self.bufs[i] = (pinned, pinned.numpy())
+                _fill(held[1], parts, offsets)
+                # NOTE: the step's upload; non-blocking from pinned memory: no sync
+                out = held[0][:size].to(device, non_blocking=True)
+                self.events[i] = event = event or self._event()
+                self._record(event, device)
+                return out
+        pinned = self._alloc(size)  # every buffer still in flight: a fresh one
+        _fill(pinned.numpy(), parts, offsets)
+        return pinned.to(device, non_blocking=True)
+
+    # the CUDA calls, apart (tests/test_host_upload.py runs the buffer rules on a CPU)
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _event(self):
+        return torch.cuda.Event()
+
+    def _record(self, event, device: torch.device) -> None:
+        event.record(torch.cuda.current_stream(device))
+
+
+_STAGING: dict[torch.device, PinnedStaging] = {}
 
 
 def upload(parts: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Every part on `device` after one copy, as a view of its dtype and shape."""
-    buf, _ = pack(parts)
-    return views(_to_device(torch.from_numpy(buf), torch.device(device)), _specs(parts))
+    """Every part on `device` after one copy, as a view of its dtype and shape (CUDA: from
+    `PinnedStaging` buffers, without a sync)."""
+    device = torch.device(device)
+    specs = _specs(parts)
+    if device.type != "cuda":
+        buf, _ = pack(parts)
+        return views(torch.from_numpy(buf), specs)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    offsets, total = layout(specs)
+    staging = _STAGING.get(device) or _STAGING.setdefault(device, PinnedStaging())
+    return views(staging.copy(parts, offsets, max(total, _ALIGN), device), specs)
 
 
 def copy_into(host: np.ndarray, dst: torch.Tensor) -> None:

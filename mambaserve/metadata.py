@@ -163,7 +163,8 @@ def plan_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size:
     Tp = int(starts[P])
     ctx = np.array([r.context_len for r in rows], dtype=np.int64)
 
-    input_ids = np.fromiter((t for r in rows for t in r.token_ids), dtype=np.int64, count=T)
+    ids = rows[0].token_ids if R == 1 else [t for r in rows for t in r.token_ids]
+    input_ids = np.array(ids, dtype=np.int64)  # (a list: 10x faster than fromiter of a generator)
     token_row = np.repeat(np.arange(R, dtype=np.int64), lens)
     local = np.arange(T, dtype=np.int64) - starts[token_row]
     positions = ctx[token_row] + local
@@ -220,30 +221,34 @@ def _prefill_arrays(batch: Batch, lens: np.ndarray, starts: np.ndarray, ctx: np.
         return np.where(u < K1, row * K1 + u, P * K1 + starts[row] + u - K1)
 
     prow = token_row[:Tp]
-    conv_window_idx = ext_index(prow[:, None], local[:Tp, None] + np.arange(conv_kernel)[None])
+    # token t's window is u = local + k, k < K: inside the new tokens (ext = P*K1 + t + k - K1)
+    # from local >= K1 on, so only the first K1 tokens of each row take the saved-input branch
+    conv_window_idx = (P * K1 - K1 + np.arange(Tp, dtype=np.int64))[:, None] \
+        + np.arange(conv_kernel, dtype=np.int64)[None]
+    head = np.flatnonzero(local[:Tp] < K1)
+    conv_window_idx[head] = ext_index(prow[head, None],
+                                      local[head, None] + np.arange(conv_kernel)[None])
     prows = np.arange(P, dtype=np.int64)
     conv_state_idx = ext_index(prows[:, None], lens[:P, None] + np.arange(K1)[None])
 
-    # --- SSD chunk plan ---------------------------------------------------------------------
-    chunk_rows: list[list[int]] = []
-    chunk_tokens: list[np.ndarray] = []
-    for r in range(P):
-        ids = []
-        for a, b in _row_chunks(int(ctx[r]), int(lens[r]), chunk_size):
-            ids.append(len(chunk_tokens))
-            chunk_tokens.append(np.arange(starts[r] + a, starts[r] + b))
-        chunk_rows.append(ids)
-    C = len(chunk_tokens)
-    chunk_token_idx = np.full((C, chunk_size), Tp, dtype=np.int64)
-    token_chunk_pos = np.zeros(Tp, dtype=np.int64)
-    for c, toks in enumerate(chunk_tokens):
-        chunk_token_idx[c, : len(toks)] = toks
-        token_chunk_pos[toks] = c * chunk_size + np.arange(len(toks))
-    max_cpr = max((len(c) for c in chunk_rows), default=0)
-    row_chunks = np.full((P, max_cpr), C, dtype=np.int64)
-    for r, ids in enumerate(chunk_rows):
-        row_chunks[r, : len(ids)] = ids
-    row_num_chunks = np.array([len(c) for c in chunk_rows], dtype=np.int64)
+    # --- SSD chunk plan: each row's tokens split at absolute multiples of chunk_size ----------
+    L = chunk_size
+    c0 = ctx[:P] // L  # the absolute chunk of each row's first token
+    row_num_chunks = np.where(lens[:P] > 0, (ctx[:P] + lens[:P] - 1) // L - c0 + 1, 0)
+    first_chunk = np.concatenate([[0], np.cumsum(row_num_chunks)]).astype(np.int64)
+    C = int(first_chunk[-1])
+    k = (ctx[prow] + local[:Tp]) // L - c0[prow]  # chunk of each token within its row
+    # a row's first chunk starts at its first token; the others at their absolute multiple of L
+    chunk_start = np.where(k == 0, 0, k * L - ctx[prow] % L)
+    chunk_of = first_chunk[prow] + k
+    token_chunk_pos = chunk_of * L + local[:Tp] - chunk_start
+    chunk_token_idx = np.full(C * L, Tp, dtype=np.int64)
+    chunk_token_idx[token_chunk_pos] = np.arange(Tp, dtype=np.int64)
+    chunk_token_idx = chunk_token_idx.reshape(C, L)
+    max_cpr = int(row_num_chunks.max(initial=0))
+    cols = np.arange(max_cpr, dtype=np.int64)
+    row_chunks = np.where(cols[None] < row_num_chunks[:, None], first_chunk[:P, None] + cols[None],
+                          C)
 
     # --- prefix-cache snapshots and restores ----------------------------------------------------
     snap_chunk, snap_conv, snap_dst = [], [], []
@@ -254,7 +259,7 @@ def _prefill_arrays(batch: Batch, lens: np.ndarray, starts: np.ndarray, ctx: np.
                     _row_chunks(int(ctx[r]), int(lens[r]), chunk_size))]
             if not 0 < local_end <= lens[r] or int(starts[r]) + local_end not in ends:
                 raise ValueError(f"snapshot position {pos} is not a chunk end of its row")
-            snap_chunk.append(chunk_rows[r][ends.index(int(starts[r]) + local_end)])
+            snap_chunk.append(int(first_chunk[r]) + ends.index(int(starts[r]) + local_end))
             snap_conv.append(ext_index(np.int64(r), local_end + np.arange(K1)))
             snap_dst.append(dst)
     restores = [(r.restore_from, r.state_slot) for r in batch.prefills if r.restore_from >= 0]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from mambaserve.host_upload import copy_into, pack, upload
+from mambaserve.host_upload import PinnedStaging, copy_into, layout, pack, upload
 
 
 def test_upload_views_every_part_with_its_dtype_and_shape_in_one_buffer():
@@ -38,3 +38,79 @@ def test_copy_into_fills_the_prefix_of_a_device_buffer():
     dst = torch.full((6,), -1, dtype=torch.int64)
     copy_into(np.array([3, 4, 5], dtype=np.int64), dst)
     assert dst.tolist() == [3, 4, 5, -1, -1, -1]
+
+
+class _Event:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+class _CpuStaging(PinnedStaging):
+    """The buffer rules on a CPU: plain tensors for pinned ones, events finished by hand."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.allocs, self.recorded = [], []
+
+    def _alloc(self, nbytes):
+        self.allocs.append(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def _event(self):
+        return _Event()
+
+    def _record(self, event, device):
+        event.done = False
+        self.recorded.append(event)
+
+
+def _upload(st, parts):
+    offsets, total = layout({k: (a.dtype, a.shape) for k, a in parts.items()})
+    out = st.copy(parts, offsets, max(total, 16), torch.device("cpu"))
+    return out, {k: out[o: o + a.nbytes].view(torch.int64) for (k, a), o in
+                 zip(parts.items(), offsets.values())}
+
+
+def test_pinned_staging_reuses_a_buffer_only_after_its_copy_finished():
+    st = _CpuStaging(slots=2, min_bytes=64)
+    a = {"x": np.arange(4, dtype=np.int64)}
+    _, got = _upload(st, a)
+    assert got["x"].tolist() == [0, 1, 2, 3] and st.allocs == [64]
+    first = st.bufs[0][0]
+    _upload(st, {"x": np.arange(4, 8, dtype=np.int64)})  # slot 0 in flight: slot 1
+    assert st.allocs == [64, 64] and first[:32].view(torch.int64).tolist() == [0, 1, 2, 3]
+    # both in flight: a fresh buffer of the exact size, neither slot is written
+    _, got = _upload(st, {"x": np.full(4, 9, dtype=np.int64)})
+    assert st.allocs == [64, 64, 32] and got["x"].tolist() == [9] * 4
+    assert first[:32].view(torch.int64).tolist() == [0, 1, 2, 3]
+    st.recorded[0].done = True  # slot 0's copy ran: taken again, no allocation
+    _upload(st, {"x": np.full(4, 7, dtype=np.int64)})
+    assert st.allocs == [64, 64, 32] and st.bufs[0][0] is first
+    assert first[:32].view(torch.int64).tolist() == [7] * 4
+    # a larger upload grows its slot to a power of two
+    for e in st.recorded:
+        e.done = True
+    _, got = _upload(st, {"x": np.arange(20, dtype=np.int64)})
+    assert st.allocs[-1] == 256 and got["x"].tolist() == list(range(20))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_uploads_behind_a_busy_stream_keep_their_values():
+    """Uploads queued behind a long kernel: each keeps its own values (a staging buffer still
+    waiting for its copy is not overwritten), whatever the sizes."""
+    a = torch.randn(4096, 4096, device="cuda")
+    outs, want = [], []
+    for i in range(12):
+        b = a @ a  # keeps the stream busy while the uploads queue up
+        parts = {"x": np.arange(i, i + 100 * (i % 5 + 1), dtype=np.int64),
+                 "y": np.full((3, i + 1), i, dtype=np.int32)}
+        outs.append(upload(parts, "cuda"))
+        want.append(parts)
+    torch.cuda.synchronize()
+    del b
+    for out, parts in zip(outs, want):
+        for k, v in parts.items():
+            assert np.array_equal(out[k].cpu().numpy(), v), k

@@ -48,10 +48,13 @@ def test_conv_windows_and_pages():
     m = build(rows)
     K1 = 3
     # extended stream = 2 rows * 3 saved inputs, then 7 new tokens
-    assert m.prefill.conv_window_idx[0].tolist() == [0, 1, 2, 6]  # row 0 token 0: saved window + itself
+    # row 0 token 0: the saved window, then itself
+    assert m.prefill.conv_window_idx[0].tolist() == [0, 1, 2, 6]
     assert m.prefill.conv_window_idx[1].tolist() == [1, 2, 6, 7]
-    assert m.prefill.conv_window_idx[6].tolist() == [2 * K1 + 3, 2 * K1 + 4, 2 * K1 + 5, 2 * K1 + 6]
-    assert m.prefill.conv_state_idx[0].tolist() == [2, 6, 7]  # short row keeps part of its old window
+    assert m.prefill.conv_window_idx[6].tolist() == [2 * K1 + 3, 2 * K1 + 4, 2 * K1 + 5,
+                                                     2 * K1 + 6]
+    # a short row keeps part of its old window
+    assert m.prefill.conv_state_idx[0].tolist() == [2, 6, 7]
     assert m.prefill.conv_state_idx[1].tolist() == [2 * K1 + 4, 2 * K1 + 5, 2 * K1 + 6]
     # positions 6,7 of row 0 -> page 7 (second page) offsets 2,3; row 1 pos 0..4 -> pages 5,5,5,5,2
     assert m.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 20, 21, 22, 23, 8]
@@ -73,3 +76,57 @@ def test_decode_rows_must_have_one_token():
     with pytest.raises(ValueError, match="exactly one token"):
         build([], [R([1, 2], 3, 0, True, [0])])
     assert np.array_equal(build([], [R([4], 3, 0, True, [0])]).input_ids.numpy(), [4])
+
+
+def _reference_prefill_plan(rows, chunk, K):
+    """The SSD chunk grid and conv windows by plain loops over tokens (what the vectorized
+    `plan_metadata` must equal): chunks split each row at absolute multiples of `chunk`, a
+    chunk's tokens from slot 0; a token's conv window reaches the row's K-1 saved inputs (the
+    extended stream's head) before its first token."""
+    P, K1 = len(rows), K - 1
+    starts = np.cumsum([0] + [len(r.token_ids) for r in rows])
+    Tp = int(starts[-1])
+    chunks, row_chunks = [], []
+    for r, row in enumerate(rows):
+        ids, cur = [], None
+        for i in range(row.num_tokens):
+            c = (row.context_len + i) // chunk
+            if c != cur:
+                ids.append(len(chunks))
+                chunks.append([])
+                cur = c
+            chunks[-1].append(int(starts[r]) + i)
+        row_chunks.append(ids)
+    chunk_token_idx = np.full((len(chunks), chunk), Tp)
+    token_chunk_pos = np.zeros(Tp, dtype=np.int64)
+    for c, toks in enumerate(chunks):
+        for j, t in enumerate(toks):
+            chunk_token_idx[c, j] = t
+            token_chunk_pos[t] = c * chunk + j
+    width = max(len(ids) for ids in row_chunks)
+    rc = np.array([ids + [len(chunks)] * (width - len(ids)) for ids in row_chunks])
+    windows = []
+    for r, row in enumerate(rows):
+        for i in range(row.num_tokens):
+            windows.append([r * K1 + u if u < K1 else P * K1 + int(starts[r]) + u - K1
+                            for u in range(i, i + K)])
+    return {"chunk_token_idx": chunk_token_idx, "token_chunk_pos": token_chunk_pos,
+            "row_chunks": rc, "row_num_chunks": np.array([len(ids) for ids in row_chunks]),
+            "conv_window_idx": np.array(windows)}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunk_grid_and_conv_windows_match_a_loop_over_tokens(seed):
+    rng = np.random.default_rng(seed)
+    chunk, K = [8, 16, 128][seed % 3], [2, 3, 4][seed // 2 % 3]
+    rows = []
+    for i in range(int(rng.integers(1, 5))):
+        ctx, n = int(rng.integers(0, 300)), int(rng.integers(1, 300))
+        pages = list(range(100 * i, 100 * i + (ctx + n) // 4 + 1))
+        rows.append(R(list(rng.integers(0, 50, n)), ctx, i, ctx > 0, pages))
+    decodes = [R([1], 7, 9, True, [500, 501])] if seed % 2 else []
+    m = build(rows, decodes, chunk=chunk, K=K)
+    ref = _reference_prefill_plan(rows, chunk, K)
+    for name, want in ref.items():
+        assert np.array_equal(getattr(m.prefill, name).numpy(), want), name
+    assert m.prefill.num_chunks == len(ref["chunk_token_idx"])

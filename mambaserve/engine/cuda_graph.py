@@ -6,9 +6,9 @@ Design (docs/cuda_graphs.md):
   Layout: per-row fields (input_ids, positions, token_row, state_slots, slot_mapping,
   decode_snap_dst, logits_idx), each `max_bs` long, then the page table
   `[max_bs, max_pages]` LAST, so that everything bucket `bs` reads is one contiguous prefix
-  (`StaticLayout.prefix_len(bs)`): a replay uploads exactly that prefix with ONE host-to-device
-  copy (`host_upload.copy_into`). The sampling parameters are uploaded by the runner, as for an
-  eager step: every decode row samples its one logit row, in batch order.
+  (`StaticLayout.prefix_len(bs)`): a replay's prefix rides in the step's one upload with the
+  sampling arrays (engine/runner.py) and a device-to-device copy puts it in the static buffer;
+  every decode row samples its one logit row, in batch order.
 - The captured `ForwardMetadata` of bucket `bs` holds views SLICED `[:bs]` of the static buffer
   (never the whole max-size field, whose stale tail a kernel would see) and fixed host ints:
   num_decodes = bs, no prefill part, max_kv_len = max_model_len rounded up to whole pages (one
@@ -279,11 +279,17 @@ class CudaGraphRunner:
         return pack_decode_batch(batch, bs, self.layout, page_size=self.page_size,
                                  scratch_page=self.scratch_page)
 
-    def load_packed(self, packed: np.ndarray, n: int) -> ForwardMetadata:
-        """Upload `pack`'s array of an `n`-row batch; returns its bucket's metadata."""
+    def load_packed(self, packed: np.ndarray, n: int,
+                    staged: torch.Tensor | None = None) -> ForwardMetadata:
+        """Load `pack`'s array of an `n`-row batch; returns its bucket's metadata. `staged`: that
+        array already on the device (uploaded with the step's sampling arrays, engine/runner.py);
+        else it is uploaded here."""
         bs = choose_bucket(self.buckets, n)
         assert packed.size == self.layout.prefix_len(bs), "packed for another bucket"
-        copy_into(packed, self.buf)
+        if staged is None:
+            copy_into(packed, self.buf)
+        else:
+            self.buf[: staged.numel()].copy_(staged)  # device to device, after the upload
         return self.metas[bs]
 
     def replay(self, n: int) -> torch.Tensor:

@@ -12,15 +12,17 @@ Design (docs/cuda_graphs.md, "Prefill and mixed steps"):
 - A step is planned exactly as an eager step (`plan_metadata`), then embedded in its bucket
   (`pack_prefill_step`): the real prefill tokens and rows first, as in the eager layout, then
   the padding prefill rows (the last holds every padding token, at positions 0 .. page_size - 1
-  over and over, with no initial state; the others hold no token and one empty chunk), then the real decode rows, then padding
-  decode rows. Padding writes only the scratch state slot and the scratch KV page; its logits are
-  never sampled. Eager indices move with the layout: tokens of decode rows by `tokens -
-  real prefill tokens`, rows by `rows - real prefill rows`, the conv extended stream's token part
-  by `(rows - real rows) * (K-1)`, the chunk / token padding values to the bucket's.
+  over and over, with no initial state; the others hold no token and one empty chunk), then the
+  real decode rows, then padding decode rows. Padding writes only the scratch state slot and
+  the scratch KV page; its logits are never sampled. Eager indices move with the layout:
+  tokens of decode rows by `tokens - real prefill tokens`, rows by `rows - real prefill rows`,
+  the conv extended stream's token part by `(rows - real rows) * (K-1)`, the chunk / token
+  padding values to the bucket's.
 - Each bucket has its own layout of ONE static byte buffer (int64 and bool parts, the page table
-  last); a step packs its bucket's parts on the host and uploads them with ONE host-to-device
-  copy (`host_upload.copy_into`); the captured metadata holds views of exactly the bucket's
-  shapes (`host_upload.views`), never a max-size field.
+  last); a step packs its bucket's parts on the host, the runner uploads them in the step's one
+  host-to-device copy beside the sampling arrays, and the bucket's buffer takes them by one
+  device-to-device copy; the captured metadata holds views of exactly the bucket's shapes
+  (`host_upload.views`), never a max-size field.
 - Prefix-cache restores (whole states of every Mamba layer) run eagerly before the replay, over
   views of the uploaded indices sliced to the step's real count: a fixed count would copy a
   whole state per padding entry. Prefill snapshots run inside the graph with a fixed count
@@ -43,7 +45,7 @@ import torch
 
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_graph
-from mambaserve.host_upload import copy_into, layout, views
+from mambaserve.host_upload import copy_into, layout, upload, views
 from mambaserve.metadata import ForwardMetadata, HostMetadata, PrefillMetadata, plan_metadata
 from mambaserve.ops.dispatch import kernel_path
 from mambaserve.ops.state_snapshot import restore_snapshots
@@ -355,9 +357,14 @@ class PrefillGraphRunner:
                              page_size=self.page_size, scratch_page=self.scratch_page)
         return self.bucket_of(batch), host
 
-    def load_planned(self, key: tuple[int, int], host: HostMetadata) -> ForwardMetadata:
-        """Upload `plan`'s metadata into bucket `key` and copy its restores."""
-        self._upload(host, key)
+    def load_planned(self, key: tuple[int, int], host: HostMetadata,
+                     staged: torch.Tensor | None = None) -> ForwardMetadata:
+        """Load `plan`'s metadata into bucket `key` and copy its restores. `staged`: the bucket's
+        bytes (`step_bytes`) already on the device, uploaded in the step's one copy with the
+        sampling arrays (engine/runner.py); else they are uploaded here."""
+        if staged is None:
+            staged = upload({"static": self.step_bytes(key, host)}, self.device)["static"]
+        self.buf[: staged.numel()].copy_(staged)  # device to device, ordered after the upload
         n = host.num_restores
         if n:  # whole states of every Mamba layer: the real count only, outside the graph
             parts = self.parts[key]
@@ -365,6 +372,12 @@ class PrefillGraphRunner:
                               parts["restore_src"][:n], parts["restore_dst"][:n])
         self._loaded = (key, len(host.arrays["logits_idx"]))
         return self.metas[key]
+
+    def step_bytes(self, key: tuple[int, int], host: HostMetadata | None) -> np.ndarray:
+        """The bytes of bucket `key`'s static buffer for the step planned as `host` (None: all
+        padding, for capture)."""
+        return pack_prefill_step(host, self.buckets[key], page_size=self.page_size,
+                                 scratch_page=self.scratch_page)
 
     def replay(self) -> torch.Tensor:
         """Replay (or, uncaptured, run) the loaded bucket's forward; returns the logits of the
@@ -376,10 +389,9 @@ class PrefillGraphRunner:
             self._forward(key)
         return self.logits[:n]
 
-    def _upload(self, host: HostMetadata | None, key: tuple[int, int]) -> None:
-        buf = pack_prefill_step(host, self.buckets[key], page_size=self.page_size,
-                                scratch_page=self.scratch_page)
-        copy_into(buf, self.buf)  # the step's one upload of forward inputs
+    def _load_padding(self, key: tuple[int, int]) -> None:
+        """An all-padding step in bucket `key` (capture)."""
+        copy_into(self.step_bytes(key, None), self.buf)
 
     def _forward(self, key: tuple[int, int]) -> None:
         out = self.model(self.metas[key], self.state_pool.conv_state, self.state_pool.ssm_state,
@@ -399,7 +411,7 @@ class PrefillGraphRunner:
         free0, t0 = torch.cuda.mem_get_info(self.device)[0], time.perf_counter()
         order = sorted(self.buckets, key=lambda k: (self.buckets[k].num_tokens, k), reverse=True)
         for key in order:
-            self._upload(None, key)
+            self._load_padding(key)
             self.graphs[key] = capture_graph(lambda k=key: self._forward(k), self.device, pool)
         torch.cuda.synchronize(self.device)
         used = free0 - torch.cuda.mem_get_info(self.device)[0]

@@ -36,6 +36,7 @@ from mambaserve.layers.sampler import compute_logprobs, sample
 from mambaserve.metadata import ForwardMetadata, HostMetadata, plan_metadata
 
 FEED = "feed."  # names of the token-feed arrays inside a shared upload
+STATIC = "graph.static"  # a CUDA graph's static inputs inside a shared upload
 
 
 @dataclass
@@ -73,7 +74,8 @@ def feed_arrays(batch: Batch, decode_offset: int = 0) -> dict[str, np.ndarray]:
 @dataclass
 class ForwardInput:
     """The host side of one forward, all a rank needs to run it: rank 0 builds it once per step
-    and, under tensor parallelism, broadcasts it to the other ranks (distributed/step_broadcast.py)."""
+    and, under tensor parallelism, broadcasts it to the other ranks
+    (distributed/step_broadcast.py)."""
 
     host: HostMetadata | None  # eager forward: the metadata (its arrays ride in the upload)
     packed: np.ndarray | None  # CUDA-graph forward: the bucket's packed static inputs
@@ -169,12 +171,16 @@ class ModelRunner:
         """Upload (with the `extra` arrays: the sampling plan's), take the tokens still on the
         device from the token buffer, run the forward; returns the uploaded tensors and the
         logits. The same on every tensor-parallel rank."""
+        # a graph's static inputs travel in the step's one upload and are copied into the
+        # graph's buffer on the device (one host-to-device copy per step, not two)
         if fwd.prefill_bucket is not None:  # small prefill part: its bucket's static inputs
-            tensors = upload({**extra, **fwd.feed}, self.device)
-            meta = self.prefill_graph_runner.load_planned(fwd.prefill_bucket, fwd.host)
+            graphs = self.prefill_graph_runner
+            static = graphs.step_bytes(fwd.prefill_bucket, fwd.host)
+            tensors = upload({**extra, **fwd.feed, STATIC: static}, self.device)
+            meta = graphs.load_planned(fwd.prefill_bucket, fwd.host, tensors[STATIC])
         elif fwd.packed is not None:  # decode-only batch: static buffers + captured graph
-            tensors = upload({**extra, **fwd.feed}, self.device)
-            meta = self.graph_runner.load_packed(fwd.packed, fwd.num_rows)
+            tensors = upload({**extra, **fwd.feed, STATIC: fwd.packed}, self.device)
+            meta = self.graph_runner.load_packed(fwd.packed, fwd.num_rows, tensors[STATIC])
         else:
             tensors = upload({**fwd.host.arrays, **extra, **fwd.feed}, self.device)  # one upload
             meta = fwd.host.on_device(tensors)

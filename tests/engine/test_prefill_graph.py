@@ -240,7 +240,7 @@ def test_capture_batches_touch_only_scratch_memory(engine):
                                 max_model_len=64, snapshots=True, device="cpu")
     with torch.inference_mode():
         for key in graphs.buckets:  # what capture() runs before and inside each capture
-            graphs._upload(None, key)
+            graphs._load_padding(key)
             graphs._forward(key)
             assert torch.isfinite(graphs.logits).all()
     assert torch.equal(before[0], sp.conv_state[:, :-1])
