@@ -5,9 +5,10 @@ state update, both in place on the pools.
                     dt_limit, state_slots, n_groups) -> y [Bt, H, P]
 
 is `causal_conv1d_update` (silu) followed by `selective_state_update` on the conv output split
-into x [Bt, H, P], B and C [Bt, G, N]. On CUDA one Triton launch does both
-(`ops/triton/mamba_decode_step.py`: the same bits as the two kernels); elsewhere the two ops run
-in turn (their references).
+into x [Bt, H, P], B and C [Bt, G, N]. The two ops run in turn, each through its own dispatch
+(Triton kernels on CUDA). The one Triton launch that does both
+(`ops/triton/mamba_decode_step.py`) runs only with MAMBASERVE_FUSED_DECODE_STEP=1: on an H100 its
+results differ from the two kernels' (ops/dispatch.py, docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The one-launch Mamba2 decode step (`ops/triton/mamba_decode_step.py`: conv step + state
 update) against the conv kernel followed by the state-update kernel, bit for bit: y, both pools
 and the arrival counters left at zero (CPU interpreter without CUDA, fp32 / fp16; compiled on a
-GPU, bf16 and the 9B shape too). The public op's reference path against its Triton path."""
+GPU, bf16 and the 9B shape too, only with MAMBASERVE_FUSED_DECODE_STEP=1: compiled, the launch is
+wrong, docs/kernels.md "Known limits"). The public op's paths against the two references."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
+from mambaserve.ops.dispatch import fused_decode_step_enabled
 from mambaserve.ops.mamba_decode_step import conv_state_step, conv_state_step_ref
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.conv1d_update import causal_conv1d_update_triton
@@ -22,6 +24,11 @@ from mambaserve.ops.triton.selective_state_update import selective_state_update_
 require_interpreter(_conv_state_step_kernel)
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+# compiled, the one launch differs from the two kernels (docs/kernels.md, "Known limits"): its
+# GPU cases run when it is opted into, and then show it
+opted_in_on_gpu = pytest.mark.skipif(
+    DEV == "cuda" and not fused_decode_step_enabled(),
+    reason="the one-launch decode step is off on the GPU (MAMBASERVE_FUSED_DECODE_STEP=1)")
 
 
 def _case(Bt, H, P, N, G, K, dtype, bias, seed, skip_rows=(), slots_total=6):
@@ -62,6 +69,7 @@ def _two_kernels(xbc, weight, b, conv_state, ssm_state, dt, A, D, dt_bias, slots
     (4, 2, 16, 8, 1, 2, True, (0, 3), None),  # one group, K = 2 (no window shift inside)
     (1, 8, 4, 32, 8, 4, True, (), 2),         # a group per head
 ])
+@opted_in_on_gpu
 def test_one_launch_equals_the_two_kernels(Bt, H, P, N, G, K, bias, skip, block_p, dtype):
     limit = (0.0, 8.0)
     case = _case(Bt, H, P, N, G, K, dtype, bias, seed=Bt * H + K, skip_rows=skip)
@@ -94,6 +102,7 @@ def test_public_op_paths_agree():
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the 9B layer shape, compiled")
+@opted_in_on_gpu
 def test_gpu_9b_shape_bf16():
     limit = (0.0, float("inf"))
     case = _case(8, 128, 64, 128, 8, 4, torch.bfloat16, True, seed=1, skip_rows=(5,),

@@ -1,7 +1,8 @@
 """Programmatic dependent launch of the decode-path kernels (`ops/triton/_common.py`, on unless
 MAMBASERVE_PDL=0): off on the CPU / interpreter whatever the switch; on a Hopper GPU a chain of
-dependent launches (norm -> few-rows linear -> norm with residual -> one-launch Mamba decode
-step) computes the same bits with it on as off, eagerly and replayed from a CUDA graph."""
+dependent launches (norm -> few-rows linear -> norm with residual -> the Mamba decode step's conv
+step and state update, as the engine runs them) computes the same bits with it on as off, eagerly
+and replayed from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.triton._common import _PDL_BUILD, PDL_ENV, pdl_launch
+from mambaserve.ops.triton.conv1d_update import causal_conv1d_update_triton
 from mambaserve.ops.triton.gemv import gemv_triton
-from mambaserve.ops.triton.mamba_decode_step import conv_state_step_triton
 from mambaserve.ops.triton.rmsnorm import _rms_norm_kernel, rms_norm_triton
+from mambaserve.ops.triton.selective_state_update import selective_state_update_triton
 
 require_interpreter(_rms_norm_kernel)
 
@@ -44,8 +46,12 @@ def _chain(x, w_norm, w_lin, xbc_w, conv_state, ssm_state, dt, A, D, dt_bias, sl
     h = rms_norm_triton(x, w_norm, 1e-5)
     y = gemv_triton(h, w_lin)
     out, s = rms_norm_triton(y[:, : x.shape[1]], w_norm, 1e-5, x)
-    ys = conv_state_step_triton(y[:, x.shape[1]:], xbc_w, None, conv_state, ssm_state, dt, A, D,
-                                dt_bias, (0.0, float("inf")), slots, 2)
+    xc = causal_conv1d_update_triton(y[:, x.shape[1]:], xbc_w, None, conv_state, slots)
+    H, P, N = ssm_state.shape[1:]
+    xs, B, C = xc.split([H * P, 2 * N, 2 * N], dim=-1)
+    ys = selective_state_update_triton(ssm_state, xs.reshape(-1, H, P), dt, A,
+                                       B.reshape(-1, 2, N), C.reshape(-1, 2, N), D, dt_bias,
+                                       (0.0, float("inf")), slots)
     return out, s, ys
 
 
