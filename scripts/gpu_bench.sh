@@ -72,9 +72,11 @@ stage_gemv() {  # the few-rows linear vs cuBLAS at the presets' decode shapes (k
 }
 stage_gemv-rules() {  # the few-rows linear's one-row rules inside the engine: batch-1 decode of
     # Granite-micro and the 9B profiled per launch grid, the default rules vs FMAs at every shape
+    # (PDL off: with it on each kernel's time includes its wait for the one before)
     for p in granite-4.0-h-micro $PRESET; do
         for r in default fma-one-row; do
-            run "gemv-rules-$p-$r" 200 $PY scripts/gemv_rules_in_engine.py --preset $p --rules $r \
+            MAMBASERVE_PDL=0 run "gemv-rules-$p-$r" 200 $PY scripts/gemv_rules_in_engine.py \
+                --preset $p --rules $r \
                 --out "$W/gemv_rules_${p}_$r.json"
         done
     done

@@ -17,7 +17,11 @@ the evidence docs/benchmarks.md cites for what bounds a missed target.
 On CUDA the kernel times come from the profiler's trace (CUPTI: kernels replayed inside a CUDA
 graph are seen too); on the CPU (smoke test) from the operators' self CPU time. `--by-grid` times
 each CUDA kernel per launch grid, so the launches of one kernel at different shapes (each
-projection of a decode step through the few-rows linear) get a row each.
+projection of a decode step through the few-rows linear) get a row each. With programmatic
+dependent launch on (the default on Hopper, ops/triton/_common.py) a kernel starts before the one
+it follows has finished and its time includes that wait: per-kernel times then overlap and add up
+to more than the busy time; `MAMBASERVE_PDL=0` gives each kernel's own time. The device's idle
+time within the phase (before its first kernel, after its last, between) is `trace_idle`'s.
 """
 
 from __future__ import annotations
