@@ -279,17 +279,12 @@ class CudaGraphRunner:
         return pack_decode_batch(batch, bs, self.layout, page_size=self.page_size,
                                  scratch_page=self.scratch_page)
 
-    def load_packed(self, packed: np.ndarray, n: int,
-                    staged: torch.Tensor | None = None) -> ForwardMetadata:
-        """Load `pack`'s array of an `n`-row batch; returns its bucket's metadata. `staged`: that
-        array already on the device (uploaded with the step's sampling arrays, engine/runner.py);
-        else it is uploaded here."""
+    def load_packed(self, packed: np.ndarray, n: int, staged: torch.Tensor) -> ForwardMetadata:
+        """Load `pack`'s array of an `n`-row batch, `staged` on the device (uploaded with the
+        step's sampling arrays, engine/runner.py); returns its bucket's metadata."""
         bs = choose_bucket(self.buckets, n)
         assert packed.size == self.layout.prefix_len(bs), "packed for another bucket"
-        if staged is None:
-            copy_into(packed, self.buf)
-        else:
-            self.buf[: staged.numel()].copy_(staged)  # device to device, after the upload
+        self.buf[: staged.numel()].copy_(staged)  # device to device, after the upload
         return self.metas[bs]
 
     def replay(self, n: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ import torch
 
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_graph
-from mambaserve.host_upload import copy_into, layout, upload, views
+from mambaserve.host_upload import copy_into, layout, views
 from mambaserve.metadata import ForwardMetadata, HostMetadata, PrefillMetadata, plan_metadata
 from mambaserve.ops.dispatch import kernel_path
 from mambaserve.ops.state_snapshot import restore_snapshots
@@ -361,10 +361,11 @@ class PrefillGraphRunner:
                      staged: torch.Tensor | None = None) -> ForwardMetadata:
         """Load `plan`'s metadata into bucket `key` and copy its restores. `staged`: the bucket's
         bytes (`step_bytes`) already on the device, uploaded in the step's one copy with the
-        sampling arrays (engine/runner.py); else they are uploaded here."""
+        sampling arrays (engine/runner.py); else they are copied here."""
         if staged is None:
-            staged = upload({"static": self.step_bytes(key, host)}, self.device)["static"]
-        self.buf[: staged.numel()].copy_(staged)  # device to device, ordered after the upload
+            copy_into(self.step_bytes(key, host), self.buf)
+        else:
+            self.buf[: staged.numel()].copy_(staged)  # device to device, after the upload
         n = host.num_restores
         if n:  # whole states of every Mamba layer: the real count only, outside the graph
             parts = self.parts[key]

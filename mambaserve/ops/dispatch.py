@@ -56,8 +56,8 @@ def fp8_gemv_enabled() -> bool:
 
 # The one-launch Mamba decode step (`ops/triton/mamba_decode_step.py`) only when this environment
 # variable is "1": on an H100 its outputs differ from the two kernels' and between repeated calls
-# at every shape but the smallest (its programs' B / C window reads race the last reader's
-# shift; docs/kernels.md), so on CUDA the conv step and the state update run as two launches.
+# at every shape but the smallest (cause not established; docs/kernels.md, "Known limits"), so on
+# CUDA the conv step and the state update run as two launches.
 FUSED_DECODE_STEP_ENV = "MAMBASERVE_FUSED_DECODE_STEP"
 
 

@@ -132,7 +132,7 @@ def test_static_buffer_path_matches_eager_on_cpu(tiny_ckpt, prefix):
     assert gr.buckets == [1, 2, 4] and gr.max_kv_len == 96
     sizes = []
     load = gr.load_packed  # (the runner packs on the host, then loads: tensor parallelism)
-    gr.load_packed = lambda packed, n, staged=None: (sizes.append(n), load(packed, n, staged))[1]
+    gr.load_packed = lambda packed, n, staged: (sizes.append(n), load(packed, n, staged))[1]
     prompts = _prompts()
     assert _generate(graph, prompts, params) == _generate(eager, prompts, params)
     assert sizes and 3 in sizes  # bucket 4 with one padding row was used
