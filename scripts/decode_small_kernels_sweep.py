@@ -1,8 +1,7 @@
 """The small per-layer kernels of a decode step (RMSNorm with the residual add, the Mamba gated
-norm, the state update, the conv step, and the engine's one-launch conv step + state update,
-`conv_state_step`, which takes the state update's tuning entry) at the presets' shapes: device
-time of one call for each launch setting of their tuning entries, T decode rows, timed through a
-CUDA graph as a decode step pays them (the state update and conv step on distinct state copies,
+norm, the state update, the conv step) at the presets' shapes: device time of one call for each
+launch setting of their tuning entries, T decode rows, timed through a CUDA graph as a decode
+step pays them (the state update and conv step on distinct state copies,
 together larger than L2, so each call reads its state from HBM), each setting's output checked
 against the default's.
 Prints a table and the best setting per kernel and shape.
@@ -24,7 +23,6 @@ from mambaserve.bench.presets import preset_config, write_config
 from mambaserve.config import ModelConfig
 from mambaserve.ops.conv1d import causal_conv1d_update
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
-from mambaserve.ops.mamba_decode_step import conv_state_step
 from mambaserve.ops.rmsnorm import rms_norm
 from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.triton import tuning
@@ -32,7 +30,6 @@ from mambaserve.ops.triton import tuning
 PRESETS = ["nemotron-nano-9b-v2", "falcon-h1-7b", "granite-4.0-h-micro"]
 STATE_BYTES = 256 << 20  # state copies per timed graph: several times the 50 MB L2 ...
 MAX_COPIES = 64  # ... up to this many graph nodes per round
-ENTRY = {"conv_state_step": "selective_state_update"}  # a case timed under another's entry
 
 
 def config_of(name: str) -> ModelConfig:
@@ -103,16 +100,6 @@ def cases(cfg: ModelConfig, T: int, dev="cuda", dtype=torch.bfloat16):
                                     num_warps=[1, 2, 4, 8]), \
         [lambda s=s: causal_conv1d_update(xc, cw, cb, s, slots) for s in convs], \
         lambda: causal_conv1d_update(xc, cw, cb, fresh_conv.clone(), slots)
-    xbc = rnd(T, C)
-    pools = [(torch.zeros(T + 1, Kc - 1, C, device=dev, dtype=dtype),
-              torch.zeros(T + 1, H, P, N, device=dev)) for _ in range(n_state)]
-
-    def step(conv, ssm):
-        return conv_state_step(xbc, cw, cb, conv, ssm, dt, A, Dd, dtb, lim, slots, G)
-
-    yield "conv_state_step", settings(block_p=[4, 8, 16, 32], num_warps=[1, 2, 4, 8]), \
-        [lambda c=c, s=s: step(c, s) for c, s in pools], \
-        lambda: step(fresh_conv.clone(), fresh.clone())
 
 
 def main() -> None:
@@ -129,7 +116,7 @@ def main() -> None:
             for entry, candidates, run, check in cases(cfg, T):
                 if args.kernels and entry not in args.kernels.split(","):
                     continue
-                rows = sweep(ENTRY.get(entry, entry), candidates, run, check)
+                rows = sweep(entry, candidates, run, check)
                 timed = [r for r in rows if "us" in r]
                 best = min(timed, key=lambda r: r["us"])
                 print(f"{name:22s} T={T} {entry:24s} default {timed[0]['us']:6.2f} us, best "

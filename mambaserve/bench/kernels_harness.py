@@ -69,6 +69,16 @@ class Harness:
 
         return do_bench(fn, warmup=15, rep=rep, return_mode="median")
 
+    def device_us(self, fn) -> float:
+        """Device microseconds of fn() replayed from a CUDA graph, the gaps between its
+        launches included, the host's launch cost not (`graph_time_us`); NaN on a dry run. For
+        shapes so small that `time_ms`, which launches from the host, times the host."""
+        if self.dry:
+            return float("nan")
+        from mambaserve.bench.graph_timing import graph_time_us
+
+        return graph_time_us(fn, calls_per_graph=5, iters=10, rounds=3)
+
     def row(self, **fields) -> None:
         """Record one measurement and print it on one line."""
         self.results["rows"].append(fields)

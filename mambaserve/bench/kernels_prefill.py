@@ -28,7 +28,8 @@ CONV_SWEEP = [(16, 512, 4, 0), (16, 512, 4, 2), (8, 512, 4, 4), (32, 512, 4, 4),
 # sequence's scan (a grid of heads x blocks, 128 programs at the 9B's default) more programs;
 # P blocks of 16 divide the 9B's head_dim of 80 (64 leaves a second block 3/4 empty)
 SSD_STATE_SWEEP = [(64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 32, 4),
-                   (32, 64, 4), (32, 128, 4), (16, 128, 4), (16, 64, 4)]
+                   (32, 64, 4), (32, 128, 4), (16, 128, 4), (16, 64, 4), (32, 128, 8),
+                   (32, 128, 2), (16, 128, 2)]
 # launch C: (block_m_scan, block_p_scan, block_k_scan, num_warps_scan, num_stages_scan)
 SSD_SCAN_SWEEP = [(64, 128, 32, 4, 3), (64, 128, 64, 4, 2), (32, 128, 32, 4, 2),
                   (64, 128, 32, 8, 2), (128, 128, 32, 4, 2), (64, 128, 16, 4, 3),
@@ -181,8 +182,9 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
                     err = max(rel(yt, yr), rel(et, er), rel(s2, s1)) if n == 4 else float("nan")
                     nan = bool(torch.isnan(yt).any() or torch.isnan(et).any()) if n == 4 else False
                     ms = h.time_ms(lambda: first_launches(s2, n))
+                    dev_us = h.device_us(lambda: [launch() for _, launch in scan.launches[:n]])
                 h.row(op="ssd_scan", impl=name, shape=shape, us=ms * 1e3,
-                      TFLOPs=flops / ms / 1e9, rel_err=err, nan=nan)
+                      TFLOPs=flops / ms / 1e9, rel_err=err, nan=nan, device_us=dev_us)
             except Exception as e:  # noqa: BLE001
                 print(f"ssd {name} {shape} failed: {type(e).__name__}: {e}", flush=True)
         ms = h.time_ms(lambda: ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1,

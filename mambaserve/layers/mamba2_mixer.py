@@ -25,14 +25,14 @@ from mambaserve.layers.fp8_linear import is_dynamic_fp8
 from mambaserve.layers.linear import Linear
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
-from mambaserve.ops.conv1d import causal_conv1d_varlen
+from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.ops.gated_rmsnorm import (
     NormSpan,
     gated_rmsnorm,
     gated_rmsnorm_ref,
     gated_silu,
 )
-from mambaserve.ops.mamba_decode_step import conv_state_step
+from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 from mambaserve.ops.state_snapshot import (
     save_decode_snapshots,
@@ -190,9 +190,14 @@ class Mamba2Mixer(nn.Module):
                 save_prefill_ssm_snapshots(ssm_state, chunk_end_states, pf.snap_chunk,
                                            pf.snap_dst)
         if meta.num_decodes:
-            y_d = conv_state_step(xBC[Tp:], self.conv_weight, self.conv_bias, conv_state,
-                                  ssm_state, dt[Tp:], A, self.D, self.dt_bias,
-                                  self.decode_dt_limit, meta.decode_state_slots, G)
+            slots = meta.decode_state_slots
+            xBC_d = causal_conv1d_update(xBC[Tp:], self.conv_weight, self.conv_bias, conv_state,
+                                         slots)
+            xs, B, C = xBC_d.split([self.d_inner, G * N, G * N], dim=-1)
+            Td = xBC_d.shape[0]
+            y_d = selective_state_update(ssm_state, xs.reshape(Td, H, P), dt[Tp:], A,
+                                         B.reshape(Td, G, N), C.reshape(Td, G, N), self.D,
+                                         self.dt_bias, self.decode_dt_limit, slots)
             if pf is not None:
                 y[Tp:] = y_d
             else:  # decode-only batch: no copy

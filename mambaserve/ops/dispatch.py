@@ -54,17 +54,6 @@ def fp8_gemv_enabled() -> bool:
     return os.environ.get(FP8_GEMV_ENV, "1") != "0"
 
 
-# The one-launch Mamba decode step (`ops/triton/mamba_decode_step.py`) only when this environment
-# variable is "1": on an H100 its outputs differ from the two kernels' and between repeated calls
-# at every shape but the smallest (cause not established; docs/kernels.md, "Known limits"), so on
-# CUDA the conv step and the state update run as two launches.
-FUSED_DECODE_STEP_ENV = "MAMBASERVE_FUSED_DECODE_STEP"
-
-
-def fused_decode_step_enabled() -> bool:
-    return os.environ.get(FUSED_DECODE_STEP_ENV, "0") == "1"
-
-
 def _fp8_gemv_ok(device: torch.device, x: torch.Tensor, weight: torch.Tensor) -> bool:
     # switched on, float8 conversions, bf16 activations, at most the tuning entry's max_m rows
     if not fp8_gemv_enabled() or x.dtype != torch.bfloat16 or weight.stride(-1) != 1:
@@ -107,10 +96,6 @@ class Condition:
 CONDITIONS: dict[str, Condition | None] = {
     "selective_state_update": None,
     "causal_conv1d_update": None,
-    # opted into: the one launch is wrong on the GPU (FUSED_DECODE_STEP_ENV above)
-    "conv_state_step": Condition(("device",), lambda device: fused_decode_step_enabled(),
-                                 "unless MAMBASERVE_FUSED_DECODE_STEP=1 (the conv step and the "
-                                 "state update then run as their own kernels)"),
     # the kernel holds the conv window in named registers
     "causal_conv1d_varlen": Condition(
         ("weight",), lambda weight: 2 <= weight.shape[1] <= 5,

@@ -23,7 +23,6 @@ from mambaserve.ops import (
     conv1d,
     dispatch,
     gated_rmsnorm,
-    mamba_decode_step,
     paged_attention,
     rmsnorm,
     rotary,
@@ -95,33 +94,6 @@ def test_conditions_on_a_cuda_device():
                        chunk_end_states=ends) == "reference"
 
 
-@pytest.mark.skipif(DEV != "cpu", reason="forces the kernels on CPU tensors")
-def test_the_one_launch_decode_step_only_when_opted_into(monkeypatch, as_if_cuda):
-    """conv_state_step runs the conv step and the state update as their own kernels on CUDA
-    unless MAMBASERVE_FUSED_DECODE_STEP=1 (the one launch is wrong on the GPU)."""
-    monkeypatch.delenv("MAMBASERVE_FUSED_DECODE_STEP", raising=False)
-    assert kernel_path("conv_state_step", "cuda") == "reference"
-    monkeypatch.setenv("MAMBASERVE_FUSED_DECODE_STEP", "0")
-    assert kernel_path("conv_state_step", "cuda") == "reference"
-    monkeypatch.setenv("MAMBASERVE_FUSED_DECODE_STEP", "1")
-    assert kernel_path("conv_state_step", "cuda") == "triton"
-    assert kernel_path("conv_state_step", "cpu") == "reference"
-    monkeypatch.delenv("MAMBASERVE_FUSED_DECODE_STEP")
-    g = _gen(3)
-    H, P, N, G, K = 4, 8, 16, 2, 4
-    Dm = H * P + 2 * G * N
-    slots = torch.tensor([1, 0], dtype=torch.int32)
-    conv, ssm = torch.randn(3, K - 1, Dm, generator=g), torch.randn(3, H, P, N, generator=g)
-    xbc, w = torch.randn(2, Dm, generator=g), torch.randn(Dm, K, generator=g)
-    dt, A = torch.randn(2, H, generator=g), -torch.rand(H, generator=g) - 0.1
-    D, dtb = torch.randn(H, generator=g), torch.zeros(H)
-    mamba_decode_step.conv_state_step(xbc, w, None, conv, ssm, dt, A, D, dtb,
-                                      (0.0, float("inf")), slots, G)
-    assert [(op, path) for op, path in as_if_cuda] == [
-        ("conv_state_step", "reference"), ("causal_conv1d_update", "triton"),
-        ("selective_state_update", "triton")]
-
-
 def test_bad_queries_raise():
     with pytest.raises(KeyError, match="unknown op"):
         kernel_path("flash_attention", "cuda")
@@ -157,8 +129,8 @@ def as_if_cuda(monkeypatch):
         decided.append((op, path))
         return path
 
-    for mod in (activation, conv1d, gated_rmsnorm, mamba_decode_step, paged_attention, rmsnorm,
-                rotary, selective_state_update, ssd, state_snapshot):
+    for mod in (activation, conv1d, gated_rmsnorm, paged_attention, rmsnorm, rotary,
+                selective_state_update, ssd, state_snapshot):
         monkeypatch.setattr(mod, "kernel_path", decide)
     return decided
 

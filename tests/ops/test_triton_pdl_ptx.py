@@ -16,15 +16,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mambaserve.ops.triton._common import _PDL_BUILD
+from mambaserve.ops.triton.conv1d_update import _conv_update_kernel
 from mambaserve.ops.triton.fp8_gemv import _fp8_gemv_kernel
 from mambaserve.ops.triton.gemv import _gemv_kernel
-from mambaserve.ops.triton.mamba_decode_step import _conv_state_step_kernel
 from mambaserve.ops.triton.rmsnorm import _rms_norm_kernel
+from mambaserve.ops.triton.selective_state_update import _ssu_kernel
 
 if not _PDL_BUILD:
     print(json.dumps(None)); sys.exit(0)
-F32 = ("part_ptr", "ssm_ptr", "A_ptr", "D_ptr", "dt_bias_ptr", "ws_ptr", "in_scale_ptr",
-       "scale_ptr")
+F32 = ("part_ptr", "ssm_ptr", "state_ptr", "A_ptr", "D_ptr", "dt_bias_ptr", "ws_ptr",
+       "in_scale_ptr", "scale_ptr")
 I32 = ("cnt_ptr",)
 FP8 = ("w_ptr", "x_ptr")
 
@@ -48,8 +49,9 @@ CASES = {
                                         SPLIT=True, EVEN_K=True, USE_DOT=True, HW_FP8=True,
                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_A=1024,
                                         NUM_STAGES=3, FOLD=1, PROMOTE_K=0), True),
-    "conv_state_step": (_conv_state_step_kernel, dict(K=4, HAS_BIAS=True, BLOCK_P=16,
-                                                      BLOCK_N=128), False),
+    "conv1d_update": (_conv_update_kernel, dict(K=4, HAS_BIAS=True, SILU=True, BLOCK_D=256),
+                      False),
+    "selective_state_update": (_ssu_kernel, dict(BLOCK_P=16, BLOCK_N=128), False),
     "rms_norm": (_rms_norm_kernel, dict(HAS_RESIDUAL=True, ADD_NATIVE=False, QUANT=False,
                                         HW_FP8=True, BLOCK_D=1024), False),
 }
@@ -79,7 +81,8 @@ def before_the_wait():
     return report
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv", "conv_state_step", "rms_norm"])
+@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv", "conv1d_update",
+                                    "selective_state_update", "rms_norm"])
 def test_no_memory_is_touched_before_the_wait(before_the_wait, kernel):
     assert before_the_wait[kernel] == {"loads": 0, "stores": 0, "atomics": 0,
                                               "prefetches": 0}

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
+from mambaserve.ops.triton._common import await_previous, pdl_launch
 
 
 @triton.jit
@@ -22,7 +23,9 @@ def _conv_update_kernel(
     Dm,
     x_b, x_d, w_d, w_k, s_slot, s_k, s_d, o_b, o_d,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_previous(PDL)
     row = tl.program_id(0)
     db = tl.program_id(1)
     slot = tl.load(slot_ptr + row).to(tl.int64)
@@ -35,6 +38,9 @@ def _conv_update_kernel(
     x = tl.load(x_ptr + row * x_b + offs * x_d, mask=md, other=0.0)
     win = state_ptr + slot * s_slot + offs * s_d
     acc = window_conv(x, w_ptr, b_ptr, win, offs, md, mv, w_d, w_k, s_k, K, HAS_BIAS, SILU)
+    # with fewer channels than threads a value is read by several warps and stored by one: all
+    # reads before the window moves (warps are not in step)
+    tl.debug_barrier()
     shift_window(win, x, mv, s_k, K)
     acc = tl.where(valid, acc, 0.0)
     tl.store(out_ptr + row * o_b + offs * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
@@ -86,6 +92,6 @@ def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activa
         x, weight, bias if bias is not None else weight, conv_state, state_slots, out, Dm,
         *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
         K=K, HAS_BIAS=bias is not None, SILU=bool(activation), BLOCK_D=block_d,
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], **pdl_launch(x.device, _conv_update_kernel),
     )
     return out

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import softplus_clamp
+from mambaserve.ops.triton._common import await_previous, pdl_launch, softplus_clamp
 
 
 @triton.jit
@@ -27,8 +27,9 @@ def _ssu_kernel(
     B_b, B_g, B_n,
     C_b, C_g, C_n,
     y_b, y_h, y_p,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_previous(PDL)
     row, h, g, slot, valid, offs_p, offs_n = program_tile(slot_ptr, heads_per_group, BLOCK_P,
                                                           BLOCK_N)
     mp = (offs_p < P) & valid
@@ -79,8 +80,7 @@ def state_step(state, s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, 
 def launch_plan(P: int, N: int, device) -> tuple[int, int]:
     """(block_p, num_warps) of a head's [P, N] state: the tuning entry "selective_state_update"
     with its None knobs resolved (block_p max(1, min(pow2(P), 4096 // pow2(N), 16)); num_warps 4
-    when block_p * pow2(N) >= 2048, else 2). Also the one-launch decode step's
-    (`mamba_decode_step.py`)."""
+    when block_p * pow2(N) >= 2048, else 2)."""
     cfg = tuning.config("selective_state_update", device)
     block_n = triton.next_power_of_2(N)
     block_p, num_warps = cfg["block_p"], cfg["num_warps"]
@@ -115,5 +115,6 @@ def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limi
         float(dt_limit[0]), float(dt_limit[1]), P, N, H // G,
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
         BLOCK_P=block_p, BLOCK_N=BLOCK_N, num_warps=num_warps,
+        **pdl_launch(x.device, _ssu_kernel),
     )
     return y
