@@ -31,6 +31,14 @@ if [ -d .whl/plot ] && ! $PY -c "import matplotlib" 2>/dev/null; then  # bench s
         --target /tmp/site-plot .whl/plot/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site-plot
 fi
 $PY -c "import fastapi, uvicorn, prometheus_client, httpx, tqdm, matplotlib" 2>&1 | tail -1
+if [ -d .whl/xdist ] && ! $PY -c "import xdist" 2>/dev/null; then  # parallel GPU test workers
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site-xdist .whl/xdist/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site-xdist
+fi
+# pytest workers of the GPU test stages (each compiles its own kernels: the compiles, not the
+# GPU, bound those stages): TEST_WORKERS (default 8) when pytest-xdist imports, else one process
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" -gt 1 ] && XDIST="-n ${TEST_WORKERS:-8}"
 
 log() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 run() {  # run STAGE_NAME DEFAULT_TIMEOUT CMD...
@@ -54,8 +62,8 @@ stage_tests-ssd() {  # the SSD scan's GPU tests (9B shapes, bf16, knobs)
     run tests-ssd 150 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_triton_ssd.py
 }
 stage_tests() {  # every CUDA-only test: compiled Triton kernels at real shapes, decode graphs
-    run tests 300 $PY -m pytest -q -x -p no:cacheprovider tests/ops tests/engine/test_cuda_graph.py \
-        -k "cuda or gpu or triton"
+    run tests 300 $PY -m pytest -q -x -p no:cacheprovider $XDIST tests/ops \
+        tests/engine/test_cuda_graph.py -k "cuda or gpu or triton"
 }
 stage_check() {  # exactness of the engine on CUDA vs transformers (tiny model), graphs too
     # the GPU image's transformers 5.17 normalizes Bamba / Granite / Mamba2's gated norm over the
