@@ -51,7 +51,8 @@ CASES = {
                                         NUM_STAGES=3, FOLD=1, PROMOTE_K=0), True),
     "conv1d_update": (_conv_update_kernel, dict(K=4, HAS_BIAS=True, SILU=True, BLOCK_D=256),
                       False),
-    "selective_state_update": (_ssu_kernel, dict(BLOCK_P=16, BLOCK_N=128), False),
+    "selective_state_update": (_ssu_kernel, dict(BLOCK_P=16, BLOCK_N=128, SHARED_LANES=False),
+                               False),
     "rms_norm": (_rms_norm_kernel, dict(HAS_RESIDUAL=True, ADD_NATIVE=False, QUANT=False,
                                         HW_FP8=True, BLOCK_D=1024), False),
 }

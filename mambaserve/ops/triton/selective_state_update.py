@@ -27,11 +27,18 @@ def _ssu_kernel(
     B_b, B_g, B_n,
     C_b, C_g, C_n,
     y_b, y_h, y_p,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SHARED_LANES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     await_previous(PDL)
-    row, h, g, slot, valid, offs_p, offs_n = program_tile(slot_ptr, heads_per_group, BLOCK_P,
-                                                          BLOCK_N)
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    g = h // heads_per_group
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
     mp = (offs_p < P) & valid
     mn = (offs_n < N) & valid
     m2 = mp[:, None] & mn[None, :]
@@ -41,40 +48,18 @@ def _ssu_kernel(
     Bv = tl.load(B_ptr + row * B_b + g * B_g + offs_n * B_n, mask=mn, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + row * C_b + g * C_g + offs_n * C_n, mask=mn, other=0.0).to(tl.float32)
     dt_raw = tl.load(dt_ptr + row * dt_b + h * dt_h).to(tl.float32)
-    state = tl.load(s_ptrs, mask=m2, other=0.0)
-    y = state_step(state, s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo,
-                   dt_hi)
-    y = tl.where(valid, y, 0.0)
-    tl.store(y_ptr + row * y_b + h * y_h + offs_p * y_p, y.to(y_ptr.dtype.element_ty),
-             mask=offs_p < P)
-
-
-@triton.jit
-def program_tile(slot_ptr, heads_per_group, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The program's (row, head, group, slot clamped to >= 0, whether the slot is valid, its
-    head-dim offsets, the state offsets) on the grid (rows, heads, p-blocks)."""
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    return (row, h, h // heads_per_group, tl.maximum(slot, 0), slot >= 0, offs_p,
-            tl.arange(0, BLOCK_N))
-
-
-@triton.jit
-def state_step(state, s_ptrs, m2, x, Bv, Cv, dt_raw, A_ptr, D_ptr, dt_bias_ptr, h, dt_lo,
-               dt_hi):
-    """One head's [BLOCK_P, N] state tile `state` (as loaded from `s_ptrs`, mask m2) stepped
-    with float32 x [BLOCK_P], B and C [N] and the raw dt, stored back; returns y [BLOCK_P] in
-    float32."""
-    state = state.to(tl.float32)
+    state = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
     dt = softplus_clamp(dt_raw + tl.load(dt_bias_ptr + h).to(tl.float32), dt_lo, dt_hi)
     A = tl.load(A_ptr + h).to(tl.float32)
     Dh = tl.load(D_ptr + h).to(tl.float32)
-    dA = tl.exp(dt * A)
-    state = state * dA + (dt * x)[:, None] * Bv[None, :]
-    tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=m2)
-    return tl.sum(state * Cv[None, :], axis=1) + Dh * x
+    state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+    if SHARED_LANES:  # a tile smaller than the program: its values are held (and loaded) by
+        tl.debug_barrier()  # several warps, stored by one; every load before the first store
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=m2)
+    y = tl.sum(state * Cv[None, :], axis=1) + Dh * x
+    y = tl.where(valid, y, 0.0)
+    tl.store(y_ptr + row * y_b + h * y_h + offs_p * y_p, y.to(y_ptr.dtype.element_ty),
+             mask=offs_p < P)
 
 
 def launch_plan(P: int, N: int, device) -> tuple[int, int]:
@@ -114,7 +99,7 @@ def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limi
         ssm_state, x, dt, A, B, C, D, dt_bias, state_slots, y,
         float(dt_limit[0]), float(dt_limit[1]), P, N, H // G,
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
-        BLOCK_P=block_p, BLOCK_N=BLOCK_N, num_warps=num_warps,
-        **pdl_launch(x.device, _ssu_kernel),
+        BLOCK_P=block_p, BLOCK_N=BLOCK_N, SHARED_LANES=block_p * BLOCK_N < 32 * num_warps,
+        num_warps=num_warps, **pdl_launch(x.device, _ssu_kernel),
     )
     return y
