@@ -265,14 +265,10 @@ class CudaGraphRunner:
                     self.buckets, self.max_kv_len)
 
     # ---- replay -----------------------------------------------------------------------------
-    def load(self, batch: Batch) -> ForwardMetadata:
-        """Upload a decode-only batch into its bucket's static inputs; returns that bucket's
-        metadata (rows past the batch are padding)."""
-        return self.load_packed(self.pack(batch), len(batch.decodes))
-
     def pack(self, batch: Batch) -> np.ndarray:
-        """The host side of `load`: the bucket's prefix of the static buffer (under tensor
-        parallelism rank 0 packs it once and every rank uploads it with `load_packed`)."""
+        """A decode-only batch's bucket prefix of the static buffer, on the host (rows past the
+        batch are padding; under tensor parallelism rank 0 packs it once and every rank loads it
+        with `load_packed`)."""
         assert not batch.prefills and batch.decodes, (
             "CUDA-graph path needs a decode-only batch (num_decodes == batch size)")
         bs = choose_bucket(self.buckets, len(batch.decodes))
