@@ -48,8 +48,10 @@ out = {}
 for shared in (True, False):
     out[f"ssu_{shared}"] = report(_ssu_kernel, dict(BLOCK_P=1, BLOCK_N=16, SHARED_LANES=shared,
                                                     PDL=0), 2)
-out["conv1d_update"] = report(_conv_update_kernel, dict(K=4, HAS_BIAS=False, SILU=True,
-                                                        BLOCK_D=32, PDL=0), 4)
+for shared in (True, False):
+    out[f"conv_{shared}"] = report(_conv_update_kernel, dict(K=4, HAS_BIAS=False, SILU=True,
+                                                             BLOCK_D=32, SHARED_LANES=shared,
+                                                             PDL=0), 4)
 print(json.dumps(out))
 '''
 
@@ -64,6 +66,7 @@ def test_state_update_barrier_only_when_its_tile_shares_lanes(ptx):
     assert ptx["ssu_True"]["barriers"] == ptx["ssu_False"]["barriers"] + 1
 
 
-def test_conv_step_reads_its_window_before_shifting_it(ptx):
+def test_conv_step_reads_its_window_before_shifting_it_when_lanes_are_shared(ptx):
     # 32 channels in 128 threads: every value in four warps
-    assert ptx["conv1d_update"]["barrier_between"]
+    assert ptx["conv_True"]["barrier_between"]
+    assert ptx["conv_True"]["barriers"] == ptx["conv_False"]["barriers"] + 1

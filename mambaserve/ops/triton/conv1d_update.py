@@ -23,7 +23,7 @@ def _conv_update_kernel(
     Dm,
     x_b, x_d, w_d, w_k, s_slot, s_k, s_d, o_b, o_d,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    SHARED_LANES: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
     row = tl.program_id(0)
@@ -38,9 +38,8 @@ def _conv_update_kernel(
     x = tl.load(x_ptr + row * x_b + offs * x_d, mask=md, other=0.0)
     win = state_ptr + slot * s_slot + offs * s_d
     acc = window_conv(x, w_ptr, b_ptr, win, offs, md, mv, w_d, w_k, s_k, K, HAS_BIAS, SILU)
-    # with fewer channels than threads a value is read by several warps and stored by one: all
-    # reads before the window moves (warps are not in step)
-    tl.debug_barrier()
+    if SHARED_LANES:  # fewer channels than threads: a value is read by several warps and
+        tl.debug_barrier()  # stored by one; all reads before the window moves
     shift_window(win, x, mv, s_k, K)
     acc = tl.where(valid, acc, 0.0)
     tl.store(out_ptr + row * o_b + offs * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
@@ -92,6 +91,7 @@ def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activa
         x, weight, bias if bias is not None else weight, conv_state, state_slots, out, Dm,
         *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
         K=K, HAS_BIAS=bias is not None, SILU=bool(activation), BLOCK_D=block_d,
-        num_warps=cfg["num_warps"], **pdl_launch(x.device, _conv_update_kernel),
+        SHARED_LANES=block_d < 32 * cfg["num_warps"], num_warps=cfg["num_warps"],
+        **pdl_launch(x.device, _conv_update_kernel),
     )
     return out
