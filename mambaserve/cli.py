@@ -255,7 +255,8 @@ def _server_commands(sub) -> None:
     s.add_argument("--log-level", default="info", help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks: serve | one-batch | ab | profile | kernels")
+    b = sub.add_parser("bench",
+                       help="benchmarks: serve | one-batch | ab | profile | host | kernels")
     b_sub = b.add_subparsers(dest="bench_command", required=True)
     bs = b_sub.add_parser("serve", help="online serving benchmark against a running server")
     from mambaserve.bench.serve import add_args
@@ -278,6 +279,12 @@ def _server_commands(sub) -> None:
                                           "time goes (torch.profiler, kernels by group)")
     profile.add_args(pp)
     pp.set_defaults(func=profile.run_cli)
+    from mambaserve.bench import host_time
+
+    hp = b_sub.add_parser("host", help="the host's time per step before the device starts on it "
+                                       "(schedule, plan, upload)")
+    host_time.add_args(hp)
+    hp.set_defaults(func=host_time.run_cli)
     from mambaserve.bench import kernels
 
     kp = b_sub.add_parser("kernels", help="Triton kernels vs. the torch references and peer "

@@ -184,6 +184,39 @@ def preset_config(name: str) -> dict:
     return json.loads(json.dumps(PRESETS[name]))
 
 
+# the widths `narrow_config` sets (where a family's config has the key): heads x head size of the
+# Mamba mixer = 2 x hidden, attention heads x head_dim = hidden, 8 heads over any group count of
+# the presets (1 or 8)
+_NARROW = {
+    "hidden_size": 64, "intermediate_size": 128, "shared_intermediate_size": 128,
+    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
+    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128, "mamba_d_state": 16,
+    "num_heads": 8, "state_size": 16, "vocab_size": 512,
+}
+
+
+def narrow_config(config: dict) -> dict:
+    """The same layers (kinds, count, order), chunk size, conv kernel and multipliers at tiny
+    widths: what the host's per-step work depends on, at a size a CPU runs (`bench host
+    --narrow`). Routed experts are cut to at most 8 (top-k to at most 2); token ids beyond the
+    narrow vocabulary become 0."""
+    out = json.loads(json.dumps(config))
+    for key, value in _NARROW.items():
+        if key in out:
+            out[key] = value
+    for key in ("n_routed_experts", "num_local_experts"):
+        if out.get(key):
+            out[key] = min(out[key], 8)
+    if out.get("num_experts_per_tok"):
+        out["num_experts_per_tok"] = min(out["num_experts_per_tok"], 2)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(out.get(key), int) and out[key] >= out["vocab_size"]:
+            out[key] = 0
+    return out
+
+
 def checkpoint_name(param: str) -> str:
     """Our parameter name -> the HF checkpoint name (inverse of checkpoint_name_to_param)."""
     for ours, theirs in _REVERSE_RENAMES.items():

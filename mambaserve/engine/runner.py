@@ -107,7 +107,8 @@ class ModelRunner:
         self.send_step: Callable[[ForwardInput], None] | None = None
         # per-request token counts for penalties (device rows allocated on first use)
         self.penalties = PenaltyState(cfg.vocab_size, device)
-        # labels the phases of a step for the sync audit (tools/sync_audit.py)
+        # labels the phases of a step ("plan", "upload", "forward", "sampler", "readback") for
+        # the sync audit (tools/sync_audit.py) and the host-time bench (bench/host_time.py)
         self.section: Callable[[str], contextlib.AbstractContextManager] = \
             lambda label: contextlib.nullcontext()
 
@@ -125,8 +126,9 @@ class ModelRunner:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        plan = SamplingPlan.from_batch(batch, self.penalties)
-        fwd = self.plan_forward(batch)
+        with self.section("plan"):
+            plan = SamplingPlan.from_batch(batch, self.penalties)
+            fwd = self.plan_forward(batch)
         if self.send_step is not None:  # tensor parallelism: the other ranks run it too
             self.send_step(fwd)
         hook = None if self.on_forward is None else (lambda meta: self.on_forward(batch, meta))
@@ -173,18 +175,19 @@ class ModelRunner:
         logits. The same on every tensor-parallel rank."""
         # a graph's static inputs travel in the step's one upload and are copied into the
         # graph's buffer on the device (one host-to-device copy per step, not two)
-        if fwd.prefill_bucket is not None:  # small prefill part: its bucket's static inputs
-            graphs = self.prefill_graph_runner
-            static = graphs.step_bytes(fwd.prefill_bucket, fwd.host)
-            tensors = upload({**extra, **fwd.feed, STATIC: static}, self.device)
-            meta = graphs.load_planned(fwd.prefill_bucket, fwd.host, tensors[STATIC])
-        elif fwd.packed is not None:  # decode-only batch: static buffers + captured graph
-            tensors = upload({**extra, **fwd.feed, STATIC: fwd.packed}, self.device)
-            meta = self.graph_runner.load_packed(fwd.packed, fwd.num_rows, tensors[STATIC])
-        else:
-            tensors = upload({**fwd.host.arrays, **extra, **fwd.feed}, self.device)  # one upload
-            meta = fwd.host.on_device(tensors)
-        self._feed(meta.input_ids, tensors)  # (a graph step: into its static input_ids)
+        with self.section("upload"):
+            if fwd.prefill_bucket is not None:  # small prefill part: its bucket's static inputs
+                graphs = self.prefill_graph_runner
+                static = graphs.step_bytes(fwd.prefill_bucket, fwd.host)
+                tensors = upload({**extra, **fwd.feed, STATIC: static}, self.device)
+                meta = graphs.load_planned(fwd.prefill_bucket, fwd.host, tensors[STATIC])
+            elif fwd.packed is not None:  # decode-only batch: static buffers + captured graph
+                tensors = upload({**extra, **fwd.feed, STATIC: fwd.packed}, self.device)
+                meta = self.graph_runner.load_packed(fwd.packed, fwd.num_rows, tensors[STATIC])
+            else:  # one upload
+                tensors = upload({**fwd.host.arrays, **extra, **fwd.feed}, self.device)
+                meta = fwd.host.on_device(tensors)
+            self._feed(meta.input_ids, tensors)  # (a graph step: into its static input_ids)
         if hook is not None:
             hook(meta)
         with self.section("forward"):

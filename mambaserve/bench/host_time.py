@@ -1,0 +1,264 @@
+"""`mambaserve bench host`: the host's time in a step before the device can start on it.
+
+    mambaserve bench host --preset nemotron-nano-9b-v2 --device cuda --dtype bfloat16 \\
+        --input-len 32,512,2048 --decode-batch 1,8,64 --engine enforce_eager=false
+    mambaserve bench host --preset nemotron-nano-9b-v2 --narrow --device cpu --dtype float32 \\
+        --engine enforce_eager=false,cuda_graph_max_prefill_tokens=256
+
+At batch 1 nothing else runs while the host plans a step, so every microsecond from the call
+to `step()` to the forward's first launch is added to the time to first token. What is timed
+(the runner's step sections, engine/runner.py):
+- `schedule`: from `step()` to the start of planning (scheduling, the engine's bookkeeping);
+- `plan`: the sampling plan and the forward's metadata (`plan_metadata`, a decode graph's
+  packed inputs);
+- `upload`: a prefill graph's bucket packing, the step's one host-to-device copy, the typed
+  views over it and the graph buffer's load;
+- `prefix`: the whole of it, from `step()` to the forward's start.
+
+Scenarios: `prefill N`, the step that runs a lone prompt of N tokens (a new request: TTFT);
+`decode B`, a steady decode step of B running requests (with overlap scheduling the host plans
+it while the device runs the step before, so it must stay below a decode step's device time).
+Each figure is the median over `--repeats` steps after warm-up steps of the same shape; the
+path says how the forward ran (prefill graph, decode graph, eager).
+
+`--narrow` keeps a preset's layers, chunk size and conv kernel at tiny widths
+(`presets.narrow_config`): the host's work per step does not depend on the widths, and a CPU
+can run the forward in between. On a CPU the forward runs inside `step()` and its threads
+compete with the host code that follows, so CPU figures are for comparing host code, not for
+predicting a GPU host's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mambaserve.bench.one_batch import int_list, parse_settings
+from mambaserve.bench.one_batch_backends import random_prompts
+from mambaserve.config import resolve_device
+
+PHASES = ("schedule", "plan", "upload", "prefix")
+
+
+@dataclass
+class HostTimeConfig:
+    model: str | None = None
+    preset: str | None = None
+    narrow: bool = False
+    input_lens: list[int] = field(default_factory=lambda: [32, 512])
+    decode_batches: list[int] = field(default_factory=lambda: [1, 8])
+    repeats: int = 20
+    warmup: int = 3
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    engine: dict = field(default_factory=dict)
+    seed: int = 0
+
+    def validate(self) -> None:
+        if (self.model is None) == (self.preset is None):
+            raise ValueError("give exactly one of --model PATH or --preset NAME")
+        if self.narrow and self.preset is None:
+            raise ValueError("--narrow applies to a --preset")
+        if min(self.input_lens + self.decode_batches, default=1) < 1:
+            raise ValueError("input-len and decode-batch values must be >= 1")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0")
+        self.device = resolve_device(self.device)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+
+
+@dataclass
+class HostTimeResult:
+    scenario: str  # "prefill N" | "decode B"
+    path: str  # how the forward ran: prefill graph | decode graph | eager
+    us: dict[str, float]  # phase -> median microseconds
+    steps: int
+
+
+class StepClock:
+    """The runner's `section` hook: when each labelled phase of a step started and how long it
+    took (a phase entered twice in a step adds up)."""
+
+    def __init__(self) -> None:
+        self.start: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.start.clear()
+        self.seconds.clear()
+
+    @contextlib.contextmanager
+    def section(self, label: str):
+        t = time.perf_counter()
+        self.start.setdefault(label, t)
+        try:
+            yield
+        finally:
+            self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t
+
+
+class HostTimer:
+    """Times `engine.step()` calls phase by phase through the runner's hooks."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.clock = engine, StepClock()
+        self.path = ""
+        runner = engine.runner
+        runner.section = self.clock.section
+        runner.on_forward = lambda batch, meta: self._note_path(batch)
+
+    def _note_path(self, batch) -> None:
+        runner = self.engine.runner
+        if runner.prefill_graph_runner is not None and runner.prefill_graph_runner.can_run(batch):
+            self.path = "prefill graph"
+        elif runner.graph_runner is not None and runner.graph_runner.can_run(batch):
+            self.path = "decode graph"
+        else:
+            self.path = "eager"
+
+    def step(self) -> dict[str, float] | None:
+        """One engine step; its phases in seconds, None when it launched no forward."""
+        self.clock.reset()
+        t0 = time.perf_counter()
+        self.engine.step()
+        c = self.clock
+        if "forward" not in c.start:
+            return None
+        return {"schedule": c.start.get("plan", c.start["forward"]) - t0,
+                "plan": c.seconds.get("plan", 0.0), "upload": c.seconds.get("upload", 0.0),
+                "prefix": c.start["forward"] - t0}
+
+    def close(self) -> None:
+        runner = self.engine.runner
+        runner.section = lambda label: contextlib.nullcontext()
+        runner.on_forward = None
+
+
+def _median_us(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {p: statistics.median(s[p] for s in samples) * 1e6 for p in PHASES}
+
+
+def time_prefill(timer: HostTimer, vocab: int, n: int, c: HostTimeConfig) -> HostTimeResult:
+    """The first step of each of warmup + repeats lone prompts of n tokens."""
+    from mambaserve.engine.sampling_params import SamplingParams
+
+    eng, samples, path = timer.engine, [], ""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i in range(c.warmup + c.repeats):
+        prompt = random_prompts(vocab, 1, n, c.seed + 7919 * n + i)[0]
+        eng.add_request(f"host-prefill-{n}-{i}", {"prompt_token_ids": prompt}, params)
+        first = None
+        while first is None:
+            first = timer.step()
+        path = timer.path
+        while eng.has_unfinished_requests():
+            eng.step()
+        if i >= c.warmup:
+            samples.append(first)
+    return HostTimeResult(f"prefill {n}", path, _median_us(samples), len(samples))
+
+
+def time_decode(timer: HostTimer, vocab: int, b: int, c: HostTimeConfig) -> HostTimeResult:
+    """Steady decode steps of b requests (after every one has prefilled)."""
+    from mambaserve.engine.sampling_params import SamplingParams
+
+    eng = timer.engine
+    steps = c.warmup + c.repeats
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(vocab, b, 16, c.seed + 104729 * b)):
+        eng.add_request(f"host-decode-{b}-{i}", {"prompt_token_ids": prompt}, params)
+    while eng.scheduler.waiting or not all(r.prefill_done for r in eng.scheduler.running):
+        eng.step()
+    samples, path = [], ""
+    for i in range(steps):
+        s = timer.step()
+        if s is not None and i >= c.warmup:
+            samples.append(s)
+            path = timer.path
+    while eng.has_unfinished_requests():
+        eng.step()
+    if not samples:
+        raise RuntimeError(f"decode {b}: no decode step launched a forward")
+    return HostTimeResult(f"decode {b}", path, _median_us(samples), len(samples))
+
+
+def run_host_time(c: HostTimeConfig, log=print) -> list[HostTimeResult]:
+    from mambaserve.bench.presets import narrow_config, preset_config, write_config
+    from mambaserve.config import EngineConfig
+    from mambaserve.engine.llm_engine import LLMEngine
+
+    c.validate()
+    tmp = None
+    load_format = c.engine.get("load_format", "auto")
+    if c.preset is not None:
+        cfg = preset_config(c.preset)
+        if c.narrow:
+            cfg = narrow_config(cfg)
+        tmp = tempfile.TemporaryDirectory(prefix="mambaserve-host-")
+        path, load_format = write_config(cfg, tmp.name), "dummy"
+    else:
+        path = Path(c.model)
+    longest = max(c.input_lens, default=16)
+    kw = {"dtype": c.dtype, "device": c.device, "load_format": load_format, "seed": c.seed,
+          "max_num_seqs": max(c.decode_batches + [1]),
+          "max_model_len": max(longest, 16) + c.warmup + c.repeats + 32,
+          "chunked_prefill_size": max(longest, 16 * max(c.decode_batches + [1])),
+          "async_scheduling": True, **c.engine}
+    results = []
+    try:
+        eng = LLMEngine(path, EngineConfig(**kw))
+        vocab = eng.model_config.vocab_size
+        timer = HostTimer(eng)
+        try:
+            for n in c.input_lens:
+                results.append(time_prefill(timer, vocab, n, c))
+                log(format_result(results[-1]))
+            for b in c.decode_batches:
+                results.append(time_decode(timer, vocab, b, c))
+                log(format_result(results[-1]))
+        finally:
+            timer.close()
+            eng.close()
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return results
+
+
+def format_result(r: HostTimeResult) -> str:
+    phases = "  ".join(f"{p} {r.us[p]:7.1f}" for p in PHASES)
+    return f"{r.scenario:<13} {r.path:<14} {phases}  (us, median of {r.steps})"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from mambaserve.bench.one_batch import add_model_args
+
+    add_model_args(p)
+    p.add_argument("--narrow", action="store_true",
+                   help="the preset's layers at tiny widths (a CPU can run it; host work per "
+                        "step does not depend on the widths)")
+    p.add_argument("--input-len", default="32,512", help="lone prompts of these lengths")
+    p.add_argument("--decode-batch", default="1,8", help="steady decode steps of these batches")
+    p.add_argument("--repeats", type=int, default=20, help="timed steps per scenario")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of the same shape first")
+    p.add_argument("--out", default=None, help="write the results as a JSON list")
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    c = HostTimeConfig(model=a.model, preset=a.preset, narrow=a.narrow,
+                       input_lens=int_list(a.input_len), decode_batches=int_list(a.decode_batch),
+                       repeats=a.repeats, warmup=a.warmup, device=a.device, dtype=a.dtype,
+                       engine=parse_settings(a.engine), seed=a.seed)
+    results = run_host_time(c)
+    if a.out:
+        Path(a.out).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0

@@ -1,0 +1,77 @@
+"""bench host: the narrowed presets keep their layers, the step clock, a CPU run through the
+prefill graph, decode graph and eager paths, and the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from mambaserve.bench.host_time import HostTimeConfig, StepClock, run_host_time
+from mambaserve.bench.presets import PRESETS, narrow_config
+from mambaserve.cli import main
+from mambaserve.config import ModelConfig
+from mambaserve.models.registry import model_class
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_narrow_config_keeps_the_layers_and_the_chunk_grid(name):
+    wide, narrow = (ModelConfig.from_dict(c) for c in
+                    (PRESETS[name], narrow_config(PRESETS[name])))
+    assert narrow.layers == wide.layers
+    assert (narrow.chunk_size, narrow.conv_kernel) == (wide.chunk_size, wide.conv_kernel)
+    assert narrow.hidden_size == 64 and narrow.vocab_size == 512
+    with torch.device("meta"):
+        params = sum(p.numel() for p in model_class(narrow)(narrow).parameters())
+    assert params < 20_000_000  # a CPU runs it
+
+
+def test_step_clock_adds_up_a_phase_entered_twice():
+    clock = StepClock()
+    for _ in range(2):
+        with clock.section("plan"):
+            pass
+    with clock.section("upload"):
+        pass
+    assert clock.start["plan"] <= clock.start["upload"]
+    assert clock.seconds["plan"] > 0 and set(clock.seconds) == {"plan", "upload"}
+    clock.reset()
+    assert not clock.start and not clock.seconds
+
+
+def _run(engine: dict) -> dict:
+    c = HostTimeConfig(preset="tiny", device="cpu", dtype="float32", input_lens=[8, 80],
+                       decode_batches=[2], repeats=2, warmup=1, engine=engine)
+    return {r.scenario: r for r in run_host_time(c, log=lambda s: None)}
+
+
+def test_cpu_run_times_each_path_and_its_phases():
+    graphs = _run({"enforce_eager": False, "cuda_graph_max_prefill_tokens": 32})
+    assert graphs["prefill 8"].path == "prefill graph"
+    assert graphs["prefill 80"].path == "eager"  # above the largest prefill bucket (2 x 32)
+    assert graphs["decode 2"].path == "decode graph"
+    for r in graphs.values():
+        us = r.us
+        assert r.steps == 2 and min(us.values()) > 0
+        assert us["prefix"] >= us["schedule"] + us["plan"] + us["upload"]
+    eager = _run({"enforce_eager": True})
+    assert {r.path for r in eager.values()} == {"eager"}
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="exactly one of --model"):
+        HostTimeConfig().validate()
+    with pytest.raises(ValueError, match="--narrow applies to a --preset"):
+        HostTimeConfig(model="x", narrow=True).validate()
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        HostTimeConfig(preset="tiny", repeats=0).validate()
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    out = tmp_path / "host.json"
+    assert main(["bench", "host", "--preset", "nemotron-nano-9b-v2", "--narrow", "--device",
+                 "cpu", "--dtype", "float32", "--input-len", "16", "--decode-batch", "1",
+                 "--repeats", "1", "--warmup", "0", "--engine", "enforce_eager=true",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["scenario"] for r in rows] == ["prefill 16", "decode 1"]
+    assert "prefix" in capsys.readouterr().out
