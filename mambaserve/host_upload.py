@@ -13,8 +13,10 @@ static buffer).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,23 +32,54 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
 
 
 Spec = tuple[np.dtype, tuple[int, ...]]  # a part's dtype and shape
+_Key = tuple[tuple[str, np.dtype, tuple[int, ...]], ...]  # (name, dtype, shape) of each part
 
 
-def layout(specs: dict[str, Spec]) -> tuple[dict[str, int], int]:
-    """Byte offset of each part (in order, each 8-byte aligned) and the total size."""
+@dataclass(frozen=True)
+class _Layout:
+    """Where each part of an upload lies in its byte buffer, and how `views` cuts it: per dtype,
+    the sizes of one split of the buffer viewed as that dtype ([gap, part] pairs, then the tail)
+    and the names and shapes of its parts, in order."""
+
+    offsets: dict[str, int]
+    total: int
+    groups: tuple[tuple[torch.dtype, tuple[int, ...], tuple[tuple[str, tuple[int, ...]], ...]],
+                  ...]
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(key: _Key) -> _Layout:
+    """The layout of parts of these names, dtypes and shapes (a step's upload has the same ones
+    as many steps before it: computed once, host time before the step's first kernel)."""
     offsets, end = {}, 0
-    for name, (dtype, shape) in specs.items():
-        dtype = np.dtype(dtype)
+    by_dtype: dict[np.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, dtype, shape in key:
         if dtype not in _TORCH_DTYPES:
             raise TypeError(f"upload part {name!r} has dtype {dtype}; supported: "
                             f"{', '.join(str(d) for d in _TORCH_DTYPES)}")
         offsets[name] = end
         end += -(-dtype.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
-    return offsets, end
+        by_dtype.setdefault(dtype, []).append((name, shape))
+    groups = []
+    for dtype, members in by_dtype.items():
+        size, sizes, cursor = dtype.itemsize, [], 0
+        for name, shape in members:  # in layout order
+            first, n = offsets[name] // size, math.prod(shape)  # offsets: multiples of 16
+            sizes += [first - cursor, n]
+            cursor = first + n
+        sizes.append(end // size - cursor)
+        groups.append((_TORCH_DTYPES[dtype], tuple(sizes), tuple(members)))
+    return _Layout(offsets, end, tuple(groups))
 
 
-def _specs(parts: dict[str, np.ndarray]) -> dict[str, Spec]:
-    return {name: (a.dtype, a.shape) for name, a in parts.items()}
+def _key(specs: dict[str, Spec]) -> _Key:
+    return tuple((name, np.dtype(dtype), tuple(shape)) for name, (dtype, shape) in specs.items())
+
+
+def layout(specs: dict[str, Spec]) -> tuple[dict[str, int], int]:
+    """Byte offset of each part (in order, each 16-byte aligned) and the total size."""
+    plan = _plan(_key(specs))
+    return dict(plan.offsets), plan.total
 
 
 def _fill(out: np.ndarray, parts: dict[str, np.ndarray], offsets: dict[str, int]) -> None:
@@ -57,38 +90,38 @@ def _fill(out: np.ndarray, parts: dict[str, np.ndarray], offsets: dict[str, int]
 
 def pack(parts: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, int]]:
     """One uint8 host buffer holding every part, and each part's byte offset in it."""
-    offsets, total = layout(_specs(parts))
-    buf = np.zeros(max(total, _ALIGN), dtype=np.uint8)  # never empty: views need a stride
-    _fill(buf, parts, offsets)
-    return buf, offsets
+    plan = _plan(_parts_key(parts))
+    return _pack(parts, plan), dict(plan.offsets)
+
+
+def _parts_key(parts: dict[str, np.ndarray]) -> _Key:
+    return tuple((name, a.dtype, a.shape) for name, a in parts.items())
+
+
+def _pack(parts: dict[str, np.ndarray], plan: _Layout) -> np.ndarray:
+    buf = np.zeros(max(plan.total, _ALIGN), dtype=np.uint8)  # never empty: views need a stride
+    _fill(buf, parts, plan.offsets)
+    return buf
 
 
 def views(buf: torch.Tensor, specs: dict[str, Spec]) -> dict[str, torch.Tensor]:
-    """Typed, shaped views of a uint8 buffer (host or device) laid out by `layout(specs)`: per
-    dtype one typed view of the buffer cut into every part of that dtype by one split (a handful
-    of torch calls per step instead of three per part: they are host time before the step's
-    first kernel)."""
-    offsets, total = layout(specs)
+    """Typed, shaped views of a uint8 buffer (host or device) laid out by `layout(specs)`."""
+    return _views(buf, _plan(_key(specs)))
+
+
+def _views(buf: torch.Tensor, plan: _Layout) -> dict[str, torch.Tensor]:
+    """Per dtype one typed view of the buffer cut into every part of that dtype by one split (a
+    handful of torch calls per step instead of three per part: they are host time before the
+    step's first kernel)."""
+    total = plan.total
     assert buf.dtype == torch.uint8 and buf.numel() >= total, (buf.dtype, buf.numel(), total)
     out: dict[str, torch.Tensor] = {}
-    by_dtype: dict[np.dtype, list[str]] = {}
-    for name, (dtype, _) in specs.items():
-        by_dtype.setdefault(np.dtype(dtype), []).append(name)
-    for dtype, names in by_dtype.items():
-        size = dtype.itemsize
-        typed = buf[:total].view(_TORCH_DTYPES[dtype])  # offsets and total: multiples of 16
-        sizes, cursor = [], 0
-        for name in names:  # in layout order: [gap, part] pairs, then the tail
-            start, n = offsets[name] // size, math.prod(specs[name][1])
-            sizes += [start - cursor, n]
-            cursor = start + n
-        sizes.append(total // size - cursor)
-        pieces = torch.split_with_sizes(typed, sizes)
-        for i, name in enumerate(names):
-            shape = tuple(specs[name][1])
+    for dtype, sizes, members in plan.groups:
+        pieces = torch.split_with_sizes(buf[:total].view(dtype), sizes)
+        for i, (name, shape) in enumerate(members):
             piece = pieces[2 * i + 1]
             out[name] = piece if len(shape) == 1 else piece.view(shape)
-    return {name: out[name] for name in specs}
+    return {name: out[name] for name in plan.offsets}
 
 
 class PinnedStaging:
@@ -147,15 +180,13 @@ def upload(parts: dict[str, np.ndarray], device: torch.device | str) -> dict[str
     """Every part on `device` after one copy, as a view of its dtype and shape (CUDA: from
     `PinnedStaging` buffers, without a sync)."""
     device = torch.device(device)
-    specs = _specs(parts)
+    plan = _plan(_parts_key(parts))
     if device.type != "cuda":
-        buf, _ = pack(parts)
-        return views(torch.from_numpy(buf), specs)
+        return _views(torch.from_numpy(_pack(parts, plan)), plan)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    offsets, total = layout(specs)
     staging = _STAGING.get(device) or _STAGING.setdefault(device, PinnedStaging())
-    return views(staging.copy(parts, offsets, max(total, _ALIGN), device), specs)
+    return _views(staging.copy(parts, plan.offsets, max(plan.total, _ALIGN), device), plan)
 
 
 def copy_into(host: np.ndarray, dst: torch.Tensor) -> None:
