@@ -158,12 +158,21 @@ class PrefillBucket:
         return {name: buf[offsets[name]: offsets[name] + dtype.itemsize * math.prod(shape)]
                 .view(dtype).reshape(shape) for name, (dtype, shape) in self.specs.items()}
 
+    @cached_property
+    def scratch(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A host buffer of this bucket's own and its views, which `pack_prefill_step(...,
+        reuse=True)` fills in place (the views are built once, not every step)."""
+        buf = np.zeros(self.nbytes, np.uint8)
+        return buf, self.host_views(buf)
+
 
 def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size: int,
-                      scratch_page: int) -> np.ndarray:
+                      scratch_page: int, reuse: bool = False) -> np.ndarray:
     """The bucket's host byte buffer (its one upload) for a step planned eagerly as `host`
     (None: all padding, for capture): the eager arrays embedded in the bucket's layout, padding
-    around them (module docstring). `b.host_views(buf)` names its parts."""
+    around them (module docstring). `b.host_views(buf)` names its parts. `reuse`: fill the
+    bucket's own buffer (`b.scratch`) and return it; it holds the step only until the next
+    packing into this bucket (the runner copies it into the step's upload at once)."""
     z = HostMetadata(0, 0, 0, 0, 0, 0, 0, 0, 0, {}) if host is None else host
     Pr, Tr, Dr, Cr = z.num_prefills, z.num_prefill_tokens, z.num_decodes, z.num_chunks
     P, Tp, D, C, L, K1 = b.rows, b.tokens, b.decodes, b.chunks, b.chunk_size, b.conv_kernel - 1
@@ -182,8 +191,12 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     def ext(e: np.ndarray) -> np.ndarray:  # an eager extended-stream index -> the bucket's
         return np.where(e < Pr * K1, e, e + (P - Pr) * K1)
 
-    buf = np.zeros(b.nbytes, np.uint8)
-    out = b.host_views(buf)
+    if reuse:
+        buf, out = b.scratch
+        buf.fill(0)
+    else:
+        buf = np.zeros(b.nbytes, np.uint8)
+        out = b.host_views(buf)
     # ---- tokens: real prefill | padding prefill (from position 0) | real decode | padding ----
     pad_pos = np.arange(n_pad, dtype=np.int64)
     for name in ("input_ids", "positions", "slot_mapping", "token_row"):
@@ -216,9 +229,11 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     u = pad_pos[:, None] + np.arange(K1 + 1)  # the padding row's windows
     out["conv_window_idx"][Tr:] = np.where(u < K1, pad_row * K1 + u, P * K1 + Tr + u - K1)
     out["conv_state_idx"][:Pr] = ext(get("conv_state_idx", (0, K1)))
-    for r in range(Pr, P):  # padding rows keep their (scratch) window; the last ends at n_pad
-        u = (n_pad if r == pad_row else 0) + np.arange(K1)
-        out["conv_state_idx"][r] = np.where(u < K1, r * K1 + u, P * K1 + Tr + u - K1)
+    # padding rows keep their (scratch) window: u < K1 of their own saved inputs; the last
+    # row's ends at n_pad, inside the padding tokens from u = K1 on
+    pad_rows = np.arange(Pr, P, dtype=np.int64)[:, None]
+    u = np.where(pad_rows == pad_row, n_pad, 0) + np.arange(K1)
+    out["conv_state_idx"][Pr:] = np.where(u < K1, pad_rows * K1 + u, P * K1 + Tr + u - K1)
     cti, tcp = out["chunk_token_idx"], out["token_chunk_pos"]
     cti[:] = Tp
     eager_cti = get("chunk_token_idx", (0, L))
@@ -229,18 +244,17 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     eager_rc = get("row_chunks", (0, 0))
     rc[:Pr, : eager_rc.shape[1]] = np.where(eager_rc == Cr, C, eager_rc)
     rnc[:Pr] = get("row_num_chunks")
-    c = Cr
-    for r in range(Pr, P):  # padding rows: the last one's tokens in aligned chunks, else empty
-        n = n_pad if r == pad_row else 0
-        k = max(1, -(-n // L))
-        for j in range(k):
-            toks = np.arange(Tr + j * L, Tr + min(n, (j + 1) * L))
-            cti[c + j, : len(toks)] = toks
-            tcp[toks] = (c + j) * L + np.arange(len(toks))
-        rc[r, :k] = np.arange(c, c + k)
-        rnc[r] = k
-        c += k
-    assert c <= C, (c, C)
+    # padding rows: one empty chunk each but the last, whose tokens fill aligned chunks
+    empty = P - 1 - Pr
+    rc[Pr:pad_row, 0] = np.arange(Cr, Cr + empty)
+    rnc[Pr:pad_row] = 1
+    c = Cr + empty  # the padding row's first chunk
+    k = max(1, -(-n_pad // L))
+    assert c + k <= C, (c + k, C)
+    rc[pad_row, :k] = np.arange(c, c + k)
+    rnc[pad_row] = k
+    cti.reshape(-1)[c * L: c * L + n_pad] = np.arange(Tr, Tp)
+    tcp[Tr:] = c * L + pad_pos
     Sr = len(get("snap_dst"))
     out["snap_chunk"][:Sr] = get("snap_chunk")  # padding: chunk 0 (always a real chunk)
     out["snap_conv_idx"][:Sr] = ext(get("snap_conv_idx", (0, K1)))
@@ -378,7 +392,7 @@ class PrefillGraphRunner:
         """The bytes of bucket `key`'s static buffer for the step planned as `host` (None: all
         padding, for capture)."""
         return pack_prefill_step(host, self.buckets[key], page_size=self.page_size,
-                                 scratch_page=self.scratch_page)
+                                 scratch_page=self.scratch_page, reuse=True)
 
     def replay(self) -> torch.Tensor:
         """Replay (or, uncaptured, run) the loaded bucket's forward; returns the logits of the
