@@ -14,6 +14,7 @@ Batch layout: prefill rows first, decode rows last (one token each).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,17 +87,6 @@ class ForwardMetadata:
         return self.state_slots[self.num_prefills:]
 
 
-def _row_chunks(context_len: int, n: int, chunk_size: int) -> list[tuple[int, int]]:
-    """Split row-local offsets [0, n) at absolute multiples of chunk_size."""
-    out, i = [], 0
-    while i < n:
-        pos = context_len + i
-        end = min(n, i + chunk_size - pos % chunk_size)
-        out.append((i, end))
-        i = end
-    return out
-
-
 @dataclass
 class HostMetadata:
     """A forward's metadata before the upload: host ints and the arrays `on_device` views."""
@@ -148,127 +138,142 @@ def build_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size
 
 def plan_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size: int,
                   scratch_page: int) -> HostMetadata:
-    """Every index array of the forward, computed on the host with numpy."""
-    rows = batch.rows
-    P, R = len(batch.prefills), len(rows)
+    """Every index array of the forward, computed on the host with numpy. Per-row values are
+    Python ints, per-token arrays take a few whole-array numpy calls: at batch 1 this is host
+    time before the step's first kernel (`mambaserve bench host`)."""
+    prefills, decodes = batch.prefills, batch.decodes
+    rows = prefills + decodes
+    P, R = len(prefills), len(rows)
     if R == 0:
         raise ValueError("empty batch")
-    for r in batch.decodes:
-        if r.num_tokens != 1:
-            raise ValueError("decode rows carry exactly one token")
-
-    lens = np.array([r.num_tokens for r in rows], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lens)])
-    T = int(starts[-1])
-    Tp = int(starts[P])
-    ctx = np.array([r.context_len for r in rows], dtype=np.int64)
+    lens_l = [r.num_tokens for r in rows]
+    if any(n != 1 for n in lens_l[P:]):
+        raise ValueError("decode rows carry exactly one token")
+    ctx_l = [r.start for r in rows]  # Row.context_len
+    starts_l = [0, *itertools.accumulate(lens_l)]
+    T, Tp = starts_l[-1], starts_l[P]
 
     ids = rows[0].token_ids if R == 1 else [t for r in rows for t in r.token_ids]
     input_ids = np.array(ids, dtype=np.int64)  # (a list: 10x faster than fromiter of a generator)
-    token_row = np.repeat(np.arange(R, dtype=np.int64), lens)
-    local = np.arange(T, dtype=np.int64) - starts[token_row]
-    positions = ctx[token_row] + local
+    local = np.arange(T, dtype=np.int64)
+    if R == 1:
+        token_row = np.zeros(T, dtype=np.int64)
+        positions = local + ctx_l[0]
+    else:
+        token_row = np.repeat(np.arange(R, dtype=np.int64), lens_l)
+        first = np.array(starts_l[:-1], dtype=np.int64)[token_row]
+        positions = local + (np.array(ctx_l, dtype=np.int64)[token_row] - first)
+        local -= first
 
     # --- attention pages ----------------------------------------------------------------------
-    max_pages = max(1, max(len(r.pages) for r in rows))
+    pages = [r.request.pages for r in rows]  # Row.pages
+    max_pages = max(1, max(map(len, pages)))
     page_table = np.full((R, max_pages), scratch_page, dtype=np.int64)
-    for i, r in enumerate(rows):
-        page_table[i, : len(r.pages)] = r.pages
-    slot_mapping = page_table[token_row, positions // page_size] * page_size + positions % page_size
-    max_kv_len = int((ctx + lens).max())
+    for i, pg in enumerate(pages):
+        page_table[i, : len(pg)] = pg
+    page_of, offset = np.divmod(positions, page_size)
+    slot_mapping = page_table[token_row, page_of] * page_size + offset
+    max_kv_len = max(c + n for c, n in zip(ctx_l, lens_l))
 
-    logits_idx = np.array([starts[i] + p for i, r in enumerate(rows) for p in r.logits_positions],
+    logits_idx = np.array([starts_l[i] + p for i, r in enumerate(rows) for p in r.logits_positions],
                           dtype=np.int64)
     decode_snap_dst = []
-    for row in batch.decodes:
-        if len(row.snapshots) > 1 or any(p != row.context_len + 1 for p, _ in row.snapshots):
+    for row in decodes:
+        if len(row.snapshots) > 1 or any(p != row.start + 1 for p, _ in row.snapshots):
             raise ValueError("a decode row snapshots at most the position after its token")
         if row.restore_from >= 0:
             raise ValueError("a decode row cannot restore a snapshot")
         decode_snap_dst.append(row.snapshots[0][1] if row.snapshots else -1)
     arrays = {
         "input_ids": input_ids, "positions": positions, "token_row": token_row,
-        "state_slots": np.array([r.state_slot for r in rows], dtype=np.int64),
+        "state_slots": np.array([r.request.state_slot for r in rows], dtype=np.int64),
         "page_table": page_table, "slot_mapping": slot_mapping, "logits_idx": logits_idx,
         "decode_snap_dst": np.array(decode_snap_dst, dtype=np.int64),
     }
     num_chunks = num_snaps = num_restores = 0
     if P:
-        prefill_arrays = _prefill_arrays(batch, lens, starts, ctx, local, token_row, chunk_size,
-                                         conv_kernel)
+        prefill_arrays = _prefill_arrays(prefills, lens_l[:P], starts_l[: P + 1], ctx_l[:P],
+                                         local[:Tp], token_row[:Tp], chunk_size, conv_kernel)
         arrays.update(prefill_arrays)
         num_chunks = len(prefill_arrays["chunk_token_idx"])
         num_snaps = len(prefill_arrays["snap_dst"])
         num_restores = len(prefill_arrays["restore_src"])
     return HostMetadata(
-        num_prefills=P, num_prefill_tokens=Tp, num_decodes=len(batch.decodes), num_tokens=T,
+        num_prefills=P, num_prefill_tokens=Tp, num_decodes=len(decodes), num_tokens=T,
         num_chunks=num_chunks, max_kv_len=max_kv_len, num_prefill_snapshots=num_snaps,
         num_decode_snapshots=sum(1 for d in decode_snap_dst if d >= 0),
         num_restores=num_restores, arrays=arrays,
-        row_spans=tuple((int(starts[i]), int(lens[i]), int(ctx[i])) for i in range(P)))
+        row_spans=tuple(zip(starts_l[:P], lens_l[:P], ctx_l[:P])))
 
 
-def _prefill_arrays(batch: Batch, lens: np.ndarray, starts: np.ndarray, ctx: np.ndarray,
-                    local: np.ndarray, token_row: np.ndarray, chunk_size: int,
+def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: list[int],
+                    local: np.ndarray, prow: np.ndarray, chunk_size: int,
                     conv_kernel: int) -> dict[str, np.ndarray]:
-    """Conv windows, the SSD chunk grid, prefill snapshots and restores of the prefill rows."""
-    P = len(batch.prefills)
-    Tp = int(starts[P])
-    K1 = conv_kernel - 1
+    """Conv windows, the SSD chunk grid, prefill snapshots and restores of the prefill rows
+    (`lens`, `starts`, `ctx`: per row; `local`, `prow`: each prefill token's offset in its row
+    and its row)."""
+    P, Tp, K1, L = len(prefills), starts[-1], conv_kernel - 1, chunk_size
 
     # --- conv windows over the extended stream [P*(K-1) saved inputs | Tp new tokens] ---------
-    def ext_index(row: np.ndarray, u: np.ndarray) -> np.ndarray:  # u = virtual offset in row
-        return np.where(u < K1, row * K1 + u, P * K1 + starts[row] + u - K1)
+    # virtual offset u in row r: its saved inputs below K1 (r*K1 + u), else the new token at
+    # starts[r] + u - K1 (P*K1 + starts[r] + u - K1)
+    def ext_index(r: int, u: np.ndarray) -> np.ndarray:
+        return np.where(u < K1, r * K1 + u, P * K1 + starts[r] + u - K1)
 
-    prow = token_row[:Tp]
     # token t's window is u = local + k, k < K: inside the new tokens (ext = P*K1 + t + k - K1)
-    # from local >= K1 on, so only the first K1 tokens of each row take the saved-input branch
-    conv_window_idx = (P * K1 - K1 + np.arange(Tp, dtype=np.int64))[:, None] \
-        + np.arange(conv_kernel, dtype=np.int64)[None]
-    head = np.flatnonzero(local[:Tp] < K1)
-    conv_window_idx[head] = ext_index(prow[head, None],
-                                      local[head, None] + np.arange(conv_kernel)[None])
-    prows = np.arange(P, dtype=np.int64)
-    conv_state_idx = ext_index(prows[:, None], lens[:P, None] + np.arange(K1)[None])
+    # but for the first K1 tokens of each row, whose windows start in the saved inputs
+    taps = np.arange(conv_kernel, dtype=np.int64)
+    conv_window_idx = (P * K1 - K1 + np.arange(Tp, dtype=np.int64))[:, None] + taps
+    for r in range(P):
+        head = min(K1, lens[r])
+        conv_window_idx[starts[r]: starts[r] + head] = ext_index(
+            r, np.arange(head, dtype=np.int64)[:, None] + taps)
+    conv_state_idx = np.array([ext_index(r, lens[r] + np.arange(K1)) for r in range(P)],
+                              dtype=np.int64).reshape(P, K1)
 
     # --- SSD chunk plan: each row's tokens split at absolute multiples of chunk_size ----------
-    L = chunk_size
-    c0 = ctx[:P] // L  # the absolute chunk of each row's first token
-    row_num_chunks = np.where(lens[:P] > 0, (ctx[:P] + lens[:P] - 1) // L - c0 + 1, 0)
-    first_chunk = np.concatenate([[0], np.cumsum(row_num_chunks)]).astype(np.int64)
-    C = int(first_chunk[-1])
-    k = (ctx[prow] + local[:Tp]) // L - c0[prow]  # chunk of each token within its row
-    # a row's first chunk starts at its first token; the others at their absolute multiple of L
-    chunk_start = np.where(k == 0, 0, k * L - ctx[prow] % L)
-    chunk_of = first_chunk[prow] + k
-    token_chunk_pos = chunk_of * L + local[:Tp] - chunk_start
+    # row r spans absolute chunks ctx // L .. (ctx + len - 1) // L; its first chunk starts at
+    # its first token, the others at their absolute multiple of L
+    num_l = [(c + n - 1) // L - c // L + 1 if n else 0 for c, n in zip(ctx, lens)]
+    first_l = [0, *itertools.accumulate(num_l)]
+    C = first_l[-1]
+    if P == 1:
+        k = (ctx[0] + local) // L - ctx[0] // L  # chunk of each token within its row
+        chunk_of = k
+        token_chunk_pos = k * L + local - np.where(k == 0, 0, k * L - ctx[0] % L)
+    else:
+        rctx = np.array(ctx, dtype=np.int64)[prow]
+        k = (rctx + local) // L - rctx // L
+        chunk_of = np.array(first_l[:-1], dtype=np.int64)[prow] + k
+        token_chunk_pos = chunk_of * L + local - np.where(k == 0, 0, k * L - rctx % L)
     chunk_token_idx = np.full(C * L, Tp, dtype=np.int64)
     chunk_token_idx[token_chunk_pos] = np.arange(Tp, dtype=np.int64)
     chunk_token_idx = chunk_token_idx.reshape(C, L)
-    max_cpr = int(row_num_chunks.max(initial=0))
-    cols = np.arange(max_cpr, dtype=np.int64)
-    row_chunks = np.where(cols[None] < row_num_chunks[:, None], first_chunk[:P, None] + cols[None],
-                          C)
+    max_cpr = max(num_l, default=0)
+    row_chunks = np.full((P, max_cpr), C, dtype=np.int64)
+    for r in range(P):
+        row_chunks[r, : num_l[r]] = np.arange(first_l[r], first_l[r + 1])
 
     # --- prefix-cache snapshots and restores ----------------------------------------------------
     snap_chunk, snap_conv, snap_dst = [], [], []
-    for r, row in enumerate(batch.prefills):
+    for r, row in enumerate(prefills):
         for pos, dst in row.snapshots:
-            local_end = pos - int(ctx[r])
-            ends = [int(starts[r]) + b for b in (e for _, e in
-                    _row_chunks(int(ctx[r]), int(lens[r]), chunk_size))]
-            if not 0 < local_end <= lens[r] or int(starts[r]) + local_end not in ends:
+            # a snapshot sits at the end of one of the row's chunks: a multiple of L or the
+            # row's last token
+            local_end = pos - ctx[r]
+            if not 0 < local_end <= lens[r] or (pos % L and local_end != lens[r]):
                 raise ValueError(f"snapshot position {pos} is not a chunk end of its row")
-            snap_chunk.append(int(first_chunk[r]) + ends.index(int(starts[r]) + local_end))
-            snap_conv.append(ext_index(np.int64(r), local_end + np.arange(K1)))
+            snap_chunk.append(first_l[r] + (pos - 1) // L - ctx[r] // L)
+            snap_conv.append(ext_index(r, local_end + np.arange(K1)))
             snap_dst.append(dst)
-    restores = [(r.restore_from, r.state_slot) for r in batch.prefills if r.restore_from >= 0]
+    restores = [(r.restore_from, r.request.state_slot) for r in prefills if r.restore_from >= 0]
     return {
-        "has_initial_state": np.array([bool(r.has_initial_state) for r in batch.prefills],
+        "has_initial_state": np.array([bool(r.has_initial_state) for r in prefills],
                                       dtype=np.bool_),
         "conv_window_idx": conv_window_idx, "conv_state_idx": conv_state_idx,
         "chunk_token_idx": chunk_token_idx, "token_chunk_pos": token_chunk_pos,
-        "row_chunks": row_chunks, "row_num_chunks": row_num_chunks,
+        "row_chunks": row_chunks,
+        "row_num_chunks": np.array(num_l, dtype=np.int64),
         "snap_chunk": np.array(snap_chunk, dtype=np.int64),
         "snap_conv_idx": np.array(snap_conv, dtype=np.int64).reshape(len(snap_conv), K1),
         "snap_dst": np.array(snap_dst, dtype=np.int64),
