@@ -32,6 +32,7 @@ padding, slicing and the engine routing are exercised; only capture/replay needs
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,29 +120,38 @@ def pack_decode_batch(batch: Batch, bs: int, layout: StaticLayout, *, page_size:
         field("state_slots")
     smap, snap, lidx = field("slot_mapping"), field("decode_snap_dst"), field("logits_idx")
     table = buf[layout.offset("page_table"):].reshape(bs, mp)
-    # padding everywhere first: slot -1, scratch KV slot / page, position 0, token 0, snapshot -1
-    slots[:] = -1
-    smap[:] = scratch_slot
-    snap[:] = -1
+    # padding rows: slot -1, scratch KV slot / page, position 0, token 0, snapshot -1
+    slots[n:] = -1
+    smap[n:] = scratch_slot
+    snap[n:] = -1
     table[:] = scratch_page
     row[:] = np.arange(mb)
     lidx[:] = np.arange(mb)
-    for i, r in enumerate(batch.decodes):
+    # the real rows: checked and gathered row by row as Python ints, written by a few numpy calls
+    # (host time of every decode step)
+    ids_l, pos_l, slot_l, snap_l, pages = [], [], [], [], []
+    for r in batch.decodes:
+        req, p = r.request, r.start  # (Row.context_len)
         if r.num_tokens != 1:
             raise ValueError("decode rows carry exactly one token")
-        if len(r.pages) > mp:
-            raise ValueError(f"row needs {len(r.pages)} pages, the graph holds {mp}")
+        if len(req.pages) > mp:
+            raise ValueError(f"row needs {len(req.pages)} pages, the graph holds {mp}")
         if r.restore_from >= 0:
             raise ValueError("a decode row cannot restore a snapshot")
-        if len(r.snapshots) > 1 or any(p != r.context_len + 1 for p, _ in r.snapshots):
+        if len(r.snapshots) > 1 or any(s != p + 1 for s, _ in r.snapshots):
             raise ValueError("a decode row snapshots at most the position after its token")
-        p = r.context_len
-        ids[i] = r.token_ids[0]
-        pos[i] = p
-        slots[i] = r.state_slot
-        table[i, : len(r.pages)] = r.pages
-        smap[i] = table[i, p // page_size] * page_size + p % page_size
-        snap[i] = r.snapshots[0][1] if r.snapshots else -1
+        ids_l.append(r.token_ids[0])
+        pos_l.append(p)
+        slot_l.append(req.state_slot)
+        snap_l.append(r.snapshots[0][1] if r.snapshots else -1)
+        pages.append(req.pages)
+    ids[:n], pos[:n], slots[:n], snap[:n] = ids_l, pos_l, slot_l, snap_l
+    counts = np.fromiter(map(len, pages), dtype=np.int64, count=n)
+    real = table[:n]
+    real[np.arange(mp) < counts[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(pages), dtype=np.int64, count=int(counts.sum()))
+    p = pos[:n]
+    smap[:n] = real[np.arange(n), p // page_size] * page_size + p % page_size
     return buf
 
 
