@@ -5,7 +5,7 @@
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
 #         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve
-#         fp8-sweep pdl dense-attn
+#         fp8-sweep pdl dense-attn host
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -350,6 +350,12 @@ stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a strea
             --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
             --out "$W/latency_$p.json"
     done
+}
+stage_host() {  # the host's time per step before its forward starts (bench host), at the 9B
+    # preset: lone prompts (TTFT's host part) and steady decode batches, graphs on
+    run host-9b 300 $MS bench host --preset $PRESET --device cuda --dtype bfloat16 \
+        --input-len 32,128,512,2048 --decode-batch 1,8,64 --repeats 30 \
+        --engine enforce_eager=false --out "$W/host_9b.json"
 }
 stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL, on by default): its GPU test,
     # then batch-1 / 8 latency and the families' decode with it off (0) and on (1), interleaved
