@@ -114,3 +114,20 @@ def test_gpu_uploads_behind_a_busy_stream_keep_their_values():
     for out, parts in zip(outs, want):
         for k, v in parts.items():
             assert np.array_equal(out[k].cpu().numpy(), v), k
+
+
+def test_the_layout_is_looked_up_by_names_dtypes_and_shapes():
+    """Computed once per set of names, dtypes and shapes: uploads of other values reuse it,
+    another shape gets its own, and what `layout` returns is the caller's to change."""
+    def specs(parts):
+        return {k: (a.dtype, a.shape) for k, a in parts.items()}
+
+    a = {"x": np.arange(3, dtype=np.int64), "y": np.array([0.5, 2.0], np.float32)}
+    b = {"x": np.arange(5, dtype=np.int64), "y": np.array([1.5, 3.0], np.float32)}
+    assert layout(specs(a)) == ({"x": 0, "y": 32}, 48)
+    assert layout(specs(b)) == ({"x": 0, "y": 48}, 64)
+    layout(specs(a))[0]["x"] = 99
+    assert layout(specs(a))[0]["x"] == 0
+    for parts in (a, b, {k: v * 2 for k, v in a.items()}):
+        out = upload(parts, "cpu")
+        assert all(np.array_equal(out[k].numpy(), v) for k, v in parts.items())

@@ -79,6 +79,23 @@ def test_pack_embeds_the_eager_plan_and_pads_it():
     assert p["decode_snap_dst"].tolist() == [-1, -1]
 
 
+def test_pack_into_the_bucket_buffer_leaves_nothing_of_the_step_before():
+    """reuse=True (the runner's packing) fills the bucket's own buffer: the same bytes as a
+    fresh pack, whatever step was packed into it before (a larger one, with snapshots)."""
+    b = PrefillBucket(tokens=16, decodes=2, rows=3, chunk_size=8, conv_kernel=4, max_pages=5,
+                      snapshots=True)
+    kw = dict(chunk_size=8, conv_kernel=4, page_size=PS, scratch_page=SCRATCH)
+    big = plan_metadata(Batch([row(range(1, 15), 2, 1, True, [3, 4, 5, 6, 7], snaps=[(8, 9)]),
+                               row([5], 0, 3, False, [8], restore=11)],
+                              [row([21], 6, 4, True, [6, 7]), row([22], 1, 5, True, [2])]), **kw)
+    small = plan_metadata(Batch([row([11, 12, 13], 0, 2, False, [3])], []), **kw)
+    for host in (big, small, None):
+        fresh = pack_prefill_step(host, b, page_size=PS, scratch_page=SCRATCH)
+        pack_prefill_step(big, b, page_size=PS, scratch_page=SCRATCH, reuse=True)
+        reused = pack_prefill_step(host, b, page_size=PS, scratch_page=SCRATCH, reuse=True)
+        assert reused is b.scratch[0] and np.array_equal(reused, fresh)
+
+
 def test_pack_refuses_what_does_not_fit():
     b = PrefillBucket(16, 0, 2, 8, 4, 2, False)
     for batch in (Batch([row(range(17), 0, 0, False, [0] * 5)], []),  # too many tokens
