@@ -129,13 +129,14 @@ def pack_decode_batch(batch: Batch, bs: int, layout: StaticLayout, *, page_size:
     lidx[:] = np.arange(mb)
     # the real rows: checked and gathered row by row as Python ints, written by a few numpy calls
     # (host time of every decode step)
-    ids_l, pos_l, slot_l, snap_l, pages = [], [], [], [], []
+    ids_l, pos_l, slot_l, smap_l, snap_l, pages = [], [], [], [], [], []
     for r in batch.decodes:
         req, p = r.request, r.start  # (Row.context_len)
+        pg = req.pages
         if r.num_tokens != 1:
             raise ValueError("decode rows carry exactly one token")
-        if len(req.pages) > mp:
-            raise ValueError(f"row needs {len(req.pages)} pages, the graph holds {mp}")
+        if len(pg) > mp:
+            raise ValueError(f"row needs {len(pg)} pages, the graph holds {mp}")
         if r.restore_from >= 0:
             raise ValueError("a decode row cannot restore a snapshot")
         if len(r.snapshots) > 1 or any(s != p + 1 for s, _ in r.snapshots):
@@ -143,15 +144,18 @@ def pack_decode_batch(batch: Batch, bs: int, layout: StaticLayout, *, page_size:
         ids_l.append(r.token_ids[0])
         pos_l.append(p)
         slot_l.append(req.state_slot)
+        q = p // page_size
+        smap_l.append((pg[q] if q < len(pg) else scratch_page) * page_size + p % page_size)
         snap_l.append(r.snapshots[0][1] if r.snapshots else -1)
-        pages.append(req.pages)
-    ids[:n], pos[:n], slots[:n], snap[:n] = ids_l, pos_l, slot_l, snap_l
-    counts = np.fromiter(map(len, pages), dtype=np.int64, count=n)
-    real = table[:n]
-    real[np.arange(mp) < counts[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(pages), dtype=np.int64, count=int(counts.sum()))
-    p = pos[:n]
-    smap[:n] = real[np.arange(n), p // page_size] * page_size + p % page_size
+        pages.append(pg)
+    ids[:n], pos[:n], slots[:n], smap[:n], snap[:n] = ids_l, pos_l, slot_l, smap_l, snap_l
+    if n <= 8:  # a row at a time: fewer numpy calls than the masked write below
+        for i, pg in enumerate(pages):
+            table[i, : len(pg)] = pg
+    else:  # every row's pages in one masked write, row-major as the mask
+        counts = np.fromiter(map(len, pages), dtype=np.int64, count=n)
+        table[:n][np.arange(mp) < counts[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(pages), dtype=np.int64, count=int(counts.sum()))
     return buf
 
 
