@@ -153,8 +153,8 @@ def plan_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size:
     starts_l = [0, *itertools.accumulate(lens_l)]
     T, Tp = starts_l[-1], starts_l[P]
 
-    ids = rows[0].token_ids if R == 1 else [t for r in rows for t in r.token_ids]
-    input_ids = np.array(ids, dtype=np.int64)  # (a list: 10x faster than fromiter of a generator)
+    input_ids = np.array(rows[0].token_ids, dtype=np.int64) if R == 1 else np.fromiter(
+        itertools.chain.from_iterable(r.token_ids for r in rows), dtype=np.int64, count=T)
     local = np.arange(T, dtype=np.int64)
     if R == 1:
         token_row = np.zeros(T, dtype=np.int64)
@@ -217,19 +217,23 @@ def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: lis
     # --- conv windows over the extended stream [P*(K-1) saved inputs | Tp new tokens] ---------
     # virtual offset u in row r: its saved inputs below K1 (r*K1 + u), else the new token at
     # starts[r] + u - K1 (P*K1 + starts[r] + u - K1)
-    def ext_index(r: int, u: np.ndarray) -> np.ndarray:
-        return np.where(u < K1, r * K1 + u, P * K1 + starts[r] + u - K1)
+    row_start = np.array(starts[:P], dtype=np.int64)
+
+    def ext_index(r: np.ndarray | int, u: np.ndarray) -> np.ndarray:
+        return np.where(u < K1, r * K1 + u, P * K1 + row_start[r] + u - K1)
 
     # token t's window is u = local + k, k < K: inside the new tokens (ext = P*K1 + t + k - K1)
     # but for the first K1 tokens of each row, whose windows start in the saved inputs
     taps = np.arange(conv_kernel, dtype=np.int64)
     conv_window_idx = (P * K1 - K1 + np.arange(Tp, dtype=np.int64))[:, None] + taps
-    for r in range(P):
-        head = min(K1, lens[r])
-        conv_window_idx[starts[r]: starts[r] + head] = ext_index(
-            r, np.arange(head, dtype=np.int64)[:, None] + taps)
-    conv_state_idx = np.array([ext_index(r, lens[r] + np.arange(K1)) for r in range(P)],
-                              dtype=np.int64).reshape(P, K1)
+    if P == 1:  # (a lone prompt: its head is its first tokens)
+        head = min(K1, lens[0])
+        conv_window_idx[:head] = ext_index(0, np.arange(head, dtype=np.int64)[:, None] + taps)
+    else:
+        head = np.flatnonzero(local < K1)
+        conv_window_idx[head] = ext_index(prow[head, None], local[head, None] + taps)
+    conv_state_idx = ext_index(np.arange(P)[:, None],
+                               np.array(lens, dtype=np.int64)[:, None] + np.arange(K1))
 
     # --- SSD chunk plan: each row's tokens split at absolute multiples of chunk_size ----------
     # row r spans absolute chunks ctx // L .. (ctx + len - 1) // L; its first chunk starts at
@@ -249,10 +253,10 @@ def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: lis
     chunk_token_idx = np.full(C * L, Tp, dtype=np.int64)
     chunk_token_idx[token_chunk_pos] = np.arange(Tp, dtype=np.int64)
     chunk_token_idx = chunk_token_idx.reshape(C, L)
-    max_cpr = max(num_l, default=0)
-    row_chunks = np.full((P, max_cpr), C, dtype=np.int64)
-    for r in range(P):
-        row_chunks[r, : num_l[r]] = np.arange(first_l[r], first_l[r + 1])
+    row_num_chunks = np.array(num_l, dtype=np.int64)
+    cols = np.arange(max(num_l, default=0), dtype=np.int64)
+    row_chunks = np.where(cols < row_num_chunks[:, None],
+                          np.array(first_l[:-1], dtype=np.int64)[:, None] + cols, C)
 
     # --- prefix-cache snapshots and restores ----------------------------------------------------
     snap_chunk, snap_conv, snap_dst = [], [], []
@@ -273,7 +277,7 @@ def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: lis
         "conv_window_idx": conv_window_idx, "conv_state_idx": conv_state_idx,
         "chunk_token_idx": chunk_token_idx, "token_chunk_pos": token_chunk_pos,
         "row_chunks": row_chunks,
-        "row_num_chunks": np.array(num_l, dtype=np.int64),
+        "row_num_chunks": row_num_chunks,
         "snap_chunk": np.array(snap_chunk, dtype=np.int64),
         "snap_conv_idx": np.array(snap_conv, dtype=np.int64).reshape(len(snap_conv), K1),
         "snap_dst": np.array(snap_dst, dtype=np.int64),
