@@ -136,6 +136,19 @@ def build_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size
     return host.on_device(upload(host.arrays, device))
 
 
+def fill_page_table(table: np.ndarray, pages: list[list[int]]) -> None:
+    """Row i of `table` starts with `pages[i]` (the rest of the row is left as it is): a row at a
+    time for a few rows, every row in one masked write (row-major, as the pages are chained)
+    for more; either way few numpy calls (host time of every step)."""
+    if len(pages) <= 8:
+        for i, pg in enumerate(pages):
+            table[i, : len(pg)] = pg
+        return
+    counts = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
+    table[: len(pages)][np.arange(table.shape[1]) < counts[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(pages), dtype=np.int64, count=int(counts.sum()))
+
+
 def plan_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size: int,
                   scratch_page: int) -> HostMetadata:
     """Every index array of the forward, computed on the host with numpy. Per-row values are
@@ -169,8 +182,7 @@ def plan_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size:
     pages = [r.request.pages for r in rows]  # Row.pages
     max_pages = max(1, max(map(len, pages)))
     page_table = np.full((R, max_pages), scratch_page, dtype=np.int64)
-    for i, pg in enumerate(pages):
-        page_table[i, : len(pg)] = pg
+    fill_page_table(page_table, pages)
     page_of, offset = np.divmod(positions, page_size)
     slot_mapping = page_table[token_row, page_of] * page_size + offset
     max_kv_len = max(c + n for c, n in zip(ctx_l, lens_l))

@@ -114,16 +114,17 @@ class HostTimer:
         self.path = ""
         runner = engine.runner
         runner.section = self.clock.section
-        runner.on_forward = lambda batch, meta: self._note_path(batch)
+        runner.on_forward = lambda batch, meta: self._note_path(meta)
 
-    def _note_path(self, batch) -> None:
+    def _note_path(self, meta) -> None:
+        """The path the step took, from the metadata it runs on: a graph runner's own (a
+        bucket's) or the step's eager metadata."""
         runner = self.engine.runner
-        if runner.prefill_graph_runner is not None and runner.prefill_graph_runner.can_run(batch):
-            self.path = "prefill graph"
-        elif runner.graph_runner is not None and runner.graph_runner.can_run(batch):
-            self.path = "decode graph"
-        else:
-            self.path = "eager"
+        self.path = "eager"
+        for name, graphs in (("prefill graph", runner.prefill_graph_runner),
+                             ("decode graph", runner.graph_runner)):
+            if graphs is not None and any(meta is m for m in graphs.metas.values()):
+                self.path = name
 
     def step(self) -> dict[str, float] | None:
         """One engine step; its phases in seconds, None when it launched no forward."""

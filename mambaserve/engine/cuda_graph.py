@@ -32,7 +32,6 @@ padding, slicing and the engine routing are exercised; only capture/replay needs
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ import torch
 
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.host_upload import copy_into
-from mambaserve.metadata import ForwardMetadata
+from mambaserve.metadata import ForwardMetadata, fill_page_table
 from mambaserve.ops.dispatch import kernel_path
 
 logger = logging.getLogger("mambaserve")
@@ -149,13 +148,7 @@ def pack_decode_batch(batch: Batch, bs: int, layout: StaticLayout, *, page_size:
         snap_l.append(r.snapshots[0][1] if r.snapshots else -1)
         pages.append(pg)
     ids[:n], pos[:n], slots[:n], smap[:n], snap[:n] = ids_l, pos_l, slot_l, smap_l, snap_l
-    if n <= 8:  # a row at a time: fewer numpy calls than the masked write below
-        for i, pg in enumerate(pages):
-            table[i, : len(pg)] = pg
-    else:  # every row's pages in one masked write, row-major as the mask
-        counts = np.fromiter(map(len, pages), dtype=np.int64, count=n)
-        table[:n][np.arange(mp) < counts[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(pages), dtype=np.int64, count=int(counts.sum()))
+    fill_page_table(table, pages)
     return buf
 
 
