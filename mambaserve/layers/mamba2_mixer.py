@@ -148,6 +148,14 @@ class Mamba2Mixer(nn.Module):
         shape, dtype and device besides in_proj)."""
         return is_dynamic_fp8(self.in_proj)
 
+    def _heads(self, xBC: torch.Tensor, dt: torch.Tensor, A: torch.Tensor):
+        """The conv output's x [T, H, P], dt, A, B and C [T, G, N] (views), in the argument
+        order of the scan and the state update."""
+        G, N, T = self.n_groups, self.state_size, xBC.shape[0]
+        xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
+        return (xs.reshape(T, self.num_heads, self.head_dim), dt, A, B.reshape(T, G, N),
+                C.reshape(T, G, N))
+
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor, zxbcdt: torch.Tensor | None = None,
                 into: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,7 +165,7 @@ class Mamba2Mixer(nn.Module):
         caller's, packed likewise): the gated norm's output is written there and returned."""
         T = x.shape[0]
         Tp = meta.num_prefill_tokens
-        G, N, H, P = self.n_groups, self.state_size, self.num_heads, self.head_dim
+        H, P = self.num_heads, self.head_dim
         if zxbcdt is None:
             zxbcdt = self.in_proj(x)
         for start, end, m in self.proj_multipliers:  # in place on in_proj's fresh output
@@ -176,10 +184,9 @@ class Mamba2Mixer(nn.Module):
             xBC_p = causal_conv1d_varlen(
                 xBC[:Tp], self.conv_weight, self.conv_bias, conv_state, pf.state_slots,
                 pf.has_initial_state, pf.conv_window_idx, pf.conv_state_idx)
-            xs, B, C = xBC_p.split([self.d_inner, G * N, G * N], dim=-1)
             y_p, chunk_end_states = ssd_chunk_scan_varlen(
-                xs.reshape(Tp, H, P), dt[:Tp], A, B.reshape(Tp, G, N), C.reshape(Tp, G, N),
-                self.D, self.dt_bias, self.prefill_dt_limit, ssm_state, pf.state_slots,
+                *self._heads(xBC_p, dt[:Tp], A), self.D, self.dt_bias, self.prefill_dt_limit,
+                ssm_state, pf.state_slots,
                 pf.has_initial_state, pf.chunk_token_idx, pf.token_chunk_pos,
                 pf.row_chunks, pf.row_num_chunks)
             if meta.num_decodes:
@@ -193,10 +200,7 @@ class Mamba2Mixer(nn.Module):
             slots = meta.decode_state_slots
             xBC_d = causal_conv1d_update(xBC[Tp:], self.conv_weight, self.conv_bias, conv_state,
                                          slots)
-            xs, B, C = xBC_d.split([self.d_inner, G * N, G * N], dim=-1)
-            Td = xBC_d.shape[0]
-            y_d = selective_state_update(ssm_state, xs.reshape(Td, H, P), dt[Tp:], A,
-                                         B.reshape(Td, G, N), C.reshape(Td, G, N), self.D,
+            y_d = selective_state_update(ssm_state, *self._heads(xBC_d, dt[Tp:], A), self.D,
                                          self.dt_bias, self.decode_dt_limit, slots)
             if pf is not None:
                 y[Tp:] = y_d
