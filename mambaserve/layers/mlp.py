@@ -21,8 +21,8 @@ from mambaserve.ops.activation import relu2, silu_mul  # one Triton pass each on
 from mambaserve.ops.fp8_matmul import (
     FP8_DTYPE,
     Fp8Rows,
-    fp8_act_linear,
     fp8_linear,
+    quantize_rows,
     quantize_weight_fp8,
 )
 from mambaserve.ops.linear import act_linear, linear
@@ -56,8 +56,8 @@ class MLP(nn.Module):
         up, d = self.up_proj(x), self.down_proj
         if is_plain_linear(d):  # relu² in down's launch for decode-sized batches
             return act_linear(up, "relu2", d.weight, d.bias)
-        if is_dynamic_fp8(d):  # relu² in the product's launch (few rows) or the quantization's
-            return fp8_act_linear(up, "relu2", d.weight, d.weight_scale, d.bias)
+        if is_dynamic_fp8(d):  # relu² in the quantization's launch
+            return d(quantize_rows(up, "relu2"))
         return d(relu2(up))
 
 
@@ -150,8 +150,8 @@ class GatedMLP(nn.Module):
             out = d(F.silu(gate * self.gate_multiplier) * up)
         elif is_plain_linear(d):  # silu(gate) * up in down's launch for decode-sized batches
             out = act_linear(gate_up, "silu_mul", d.weight, d.bias)
-        elif is_dynamic_fp8(d):  # silu(gate) * up in the product's or the quantization's launch
-            out = fp8_act_linear(gate_up, "silu_mul", d.weight, d.weight_scale, d.bias)
+        elif is_dynamic_fp8(d):  # silu(gate) * up in the quantization's launch
+            out = d(quantize_rows(gate_up, "silu_mul"))
         else:
             out = d(silu_mul(gate_up))  # one Triton pass on CUDA
         return out * self.down_multiplier if self.down_multiplier != 1.0 else out

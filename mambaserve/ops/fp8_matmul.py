@@ -140,24 +140,6 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
 
 
-def fp8_act_linear(x: torch.Tensor, act: str, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_linear(quantize_rows(x, act), ...)`: the product of an FP8 linear of dynamic scales
-    with an MLP activation of x ("relu2"; "silu_mul" over x = [gate | up]). Where the few-rows
-    kernel runs, it applies the activation as it loads x (one launch instead of two); the same
-    codes and scales either way."""
-    from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton, prequantize
-
-    if (kernel_path("fp8_gemv", x.device, x=x, weight=weight) == "triton"
-            and not prequantize(x.device)):
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        y = fp8_gemv_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, weight_scale,
-                            bias=bias, act=act)
-        return y.reshape(*lead, weight.shape[0])
-    return fp8_linear(quantize_rows(x, act), weight, weight_scale, bias=bias)
-
-
 def _fp8_linear_gemv(x, weight, weight_scale, input_scale, bias):
     """The few-rows kernel. With dynamic scales and tuning fp8_gemv.prequant, the rows are
     quantized first (`quantize_fp8`: one launch) and the kernel reads their e4m3 codes; else it
@@ -209,5 +191,5 @@ def fp8_linear_ref(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale
     return y.to(x.dtype).reshape(*lead, weight.shape[0])
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Rows", "fp8_act_linear", "fp8_linear", "fp8_linear_ref",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Rows", "fp8_linear", "fp8_linear_ref",
            "quantize_fp8", "quantize_fp8_ref", "quantize_rows", "quantize_weight_fp8"]

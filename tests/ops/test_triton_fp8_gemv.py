@@ -186,27 +186,6 @@ def test_prequantized_rows_match_the_reference(knobs):
         fp8_gemv_triton(q, wq, ws)
 
 
-@cpu_only
-@pytest.mark.parametrize("act", ["relu2", "silu_mul"])
-@pytest.mark.parametrize("knobs", [{"dot_min_m": 99}, {"dot_min_m": 1, "split_k": 2,
-                                                      "block_k": 32}])
-def test_activation_applied_as_loaded(act, knobs):
-    """An MLP activation applied inside the launch: bit for bit the product of the codes and
-    scales that the activation's own quantization gives (`quantize_fp8_ref(x, act=)`); the
-    rows x hold [gate | up] for silu_mul."""
-    K = 150
-    x, wq, ws, _, b = _operands(4, 2 * K if act == "silu_mul" else K, 29, seed=31,
-                                zero_rows=[1], dtype=torch.float16)
-    wq, ws = wq[:, :K].contiguous(), ws  # the product's K is the activation's width
-    q, s = fp8_matmul.quantize_fp8_ref(x, act=act)
-    with tuning.override("fp8_gemv", **knobs):
-        got = fp8_gemv_triton(x, wq, ws, bias=b, act=act)
-        want = fp8_gemv_triton(q, wq, ws, bias=b, x_scale=s, out_dtype=x.dtype)
-    assert torch.equal(got, want)
-    with pytest.raises(AssertionError, match="dynamic scales"):
-        fp8_gemv_triton(x, wq, ws, input_scale=torch.ones(()), act=act)
-
-
 def test_launch_plan_rules():
     with tuning.override("fp8_gemv", max_m=64):
         p1 = launch_plan(1, 4480, 15680, "cpu")
@@ -333,20 +312,3 @@ def test_gpu_through_fp8_linear_in_a_cuda_graph(monkeypatch):
     x.mul_(2)  # a dynamic scale doubles: the same codes, twice the output
     graph.replay()
     torch.testing.assert_close(static_out.float(), 2 * out.float(), rtol=0, atol=0)
-
-
-@gpu
-@pytest.mark.parametrize("act,K,N", [("relu2", 15680, 4480), ("silu_mul", 8192, 2048)])
-@pytest.mark.parametrize("M", [1, 8])
-def test_gpu_activation_applied_as_loaded(act, K, N, M):
-    """The MLP activation inside the product's launch (`fp8_act_linear` on the few-rows path):
-    the same bits as its own quantization launch followed by the product (9B's down projection,
-    Granite-micro's)."""
-    x, wq, ws, _, _ = _operands(M, 2 * K if act == "silu_mul" else K, N, seed=13, bias=False,
-                                dtype=torch.bfloat16, device="cuda")
-    wq = wq[:, :K].contiguous()
-    assert kernel_path("fp8_gemv", x.device, x=x, weight=wq) == "triton"
-    got = fp8_matmul.fp8_act_linear(x, act, wq, ws)
-    q, s = fp8_matmul.quantize_fp8(x, None, act)
-    want = fp8_gemv_triton(q, wq, ws, x_scale=s, out_dtype=x.dtype)
-    assert torch.equal(got, want)

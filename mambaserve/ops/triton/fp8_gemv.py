@@ -11,21 +11,19 @@ x.dtype.
 
 Layout of the work: the grid is (blocks of BLOCK_N output columns) x (split_k parts of K). Every
 program reads its weight tile [BLOCK_N, K part] once (the bytes that matter: the weight is read
-from HBM exactly once) and the few x rows (a few KiB, from L2). With a dynamic scale every program
-recomputes the rows' amax over the whole K itself, so no quantization launch runs first; an MLP
-activation (`ACT`, relu² or silu(gate) · up, `ops/triton/gemv.py`'s `load_activated`) is applied to
-the x rows as they are loaded, in the amax pass and the product alike, so the activation's own
-quantization launch does not run either. Two inner products, by M (`dot_min_m`): below it CUDA-core
-FMAs on the weight tile converted to float32 (one FMA per weight byte and row into a [BLOCK_M,
-BLOCK_N, BLOCK_K] accumulator, summed over BLOCK_K once after the loop; for one row a [BLOCK_N,
-BLOCK_K] one, so the weight tile keeps the layout it was loaded in: the 3-D product's broadcast
-over rows made the sm_90 code read the tile back from shared memory one byte at a time), from it
-tensor cores (`tl.dot` with the weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x
-[BLOCK_K, BLOCK_M >= 16], float8 operands, float32 accumulation; `promote_k` 0:
-`max_num_imprecise_acc=0`, every product exact, which Triton does by upcasting both tiles to fp16
-for Ampere-style MMAs (a conversion per weight byte, as the FMA path); `promote_k` 32: native e4m3
-wgmma instructions, whose internal sum of 32 products keeps fewer bits than float32 (~14,
-DeepSeek-V3 report section 3.3.2), each added to the float32 accumulator).
+from HBM exactly once) and the few x rows (a few KiB, from L2). With a dynamic scale every
+program recomputes the rows' amax over the whole K itself, so no quantization launch runs
+first. Two inner products, by M (`dot_min_m`): below it CUDA-core FMAs on the weight tile
+converted to float32 (one FMA per weight byte and row into a [BLOCK_M, BLOCK_N, BLOCK_K]
+accumulator, summed over BLOCK_K once after the loop; for one row a [BLOCK_N, BLOCK_K] one, so
+the weight tile keeps the layout it was loaded in: the 3-D product's broadcast over rows made the
+sm_90 code read the tile back from shared memory one byte at a time), from it tensor cores
+(`tl.dot` with the weight tile as the left operand, "swap AB": [BLOCK_N, BLOCK_K] x [BLOCK_K,
+BLOCK_M >= 16], float8 operands, float32 accumulation; `promote_k` 0: `max_num_imprecise_acc=0`, every product exact,
+which Triton does by upcasting both tiles to fp16 for Ampere-style MMAs (a conversion per weight
+byte, as the FMA path); `promote_k` 32: native e4m3 wgmma instructions, whose internal sum of 32
+products keeps fewer bits than float32 (~14, DeepSeek-V3 report section 3.3.2), each added to
+the float32 accumulator).
 With split_k > 1 each part writes float32 partial sums (already scaled) and counts its arrival
 on its column block's counter; the part that arrives last adds the parts in the fixed order 0, 1,
 ... (deterministic), adds the bias, rounds, stores and sets the counter back to 0: no second
@@ -51,7 +49,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch, pow2
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
-from mambaserve.ops.triton.gemv import ACTIVATIONS, load_activated, split_k_sum, split_scratch
+from mambaserve.ops.triton.gemv import split_k_sum, split_scratch
 
 
 @triton.jit
@@ -81,8 +79,7 @@ def _weight(w, HW_FP8: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_ws", "split_k"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_wn, stride_ws, stride_om, k_per_split, split_k,
-                     STATIC: tl.constexpr, PREQUANT: tl.constexpr, ACT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr,
+                     STATIC: tl.constexpr, PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                      HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
@@ -107,7 +104,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
         amax = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_A):
             ka = k0 + tl.arange(0, BLOCK_A)
-            v = load_activated(x_rows + ka[None, :], row_ok[:, None] & (ka[None, :] < K), K, ACT)
+            v = tl.load(x_rows + ka[None, :], mask=row_ok[:, None] & (ka[None, :] < K), other=0.0)
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
         sx = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), 1e-12),
                             tl.full([BLOCK_M], 448.0, dtype=tl.float32))
@@ -123,11 +120,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
         kk = k0 + ks
         if EVEN_K:  # every step full: masks on rows / columns only (vector loads along K)
             wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None], other=0.0)
-            xv = load_activated(x_rows + kk[None, :], row_ok[:, None], K, ACT)
+            xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None], other=0.0)
         else:
             k_ok = kk < k_hi
             wb = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            xv = load_activated(x_rows + kk[None, :], row_ok[:, None] & k_ok[None, :], K, ACT)
+            xv = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if PREQUANT:
             q = _weight(xv, HW_FP8)
         else:
@@ -213,7 +210,7 @@ def prequantize(device) -> bool:
 def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None, act: str | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`fp8_linear`'s contract for x [M, K] (rows may be strided, last dim contiguous) with M <=
     the tuning entry's `max_m` (the launch holds every row in registers): weight [N, K]
     float8_e4m3fn (last dim contiguous), weight_scale [N] or one element float32, input_scale
@@ -221,21 +218,14 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 
     Pre-quantized rows: x float8_e4m3fn (the activation quantization already done, e.g. by
     `quantize_fp8`) with `x_scale` its per-row float32 scales ([M] or [M, 1]) and `out_dtype`
-    the output dtype; `input_scale` is then unused.
-
-    `act` "relu2" / "silu_mul" (dynamic scales only): the rows quantized are those of that MLP
-    activation of x (x [M, 2K] = [gate | up] for silu_mul), rounded to x.dtype as
-    `ops/activation.py` rounds it, applied as x is loaded (`quantize_fp8(x, act=)`'s codes and
-    scales, without its launch)."""
-    prequant = x.dtype == torch.float8_e4m3fn
-    M, K = x.shape[0], x.shape[1] // 2 if act == "silu_mul" else x.shape[1]
+    the output dtype; `input_scale` is then unused."""
     assert x.dim() == 2 and x.stride(-1) == 1, "fp8_gemv_triton takes [M, K] rows"
-    assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == K
+    assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == x.shape[1]
     assert weight.dtype == torch.float8_e4m3fn
+    prequant = x.dtype == torch.float8_e4m3fn
     assert not prequant or (x_scale is not None and out_dtype is not None), \
         "pre-quantized rows need x_scale and out_dtype"
-    assert act is None or (act in ACTIVATIONS and not prequant and input_scale is None), \
-        "an activation applies to bf16 rows of dynamic scales"
+    M, K = x.shape
     N = weight.shape[0]
     plan = launch_plan(M, N, K, x.device)
     assert M <= plan["max_m"], f"fp8_gemv_triton takes at most max_m={plan['max_m']} rows, got {M}"
@@ -253,8 +243,7 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         x, weight, ws, input_scale if static or prequant else ws,
         bias if bias is not None else ws, y, part, counters, M, N, K, x.stride(0),
         weight.stride(0), 0 if ws.numel() == 1 else ws.stride(0), N, plan["k_per_split"], split,
-        STATIC=static, PREQUANT=prequant, ACT=ACTIVATIONS.get(act, 0), HAS_BIAS=bias is not None,
-        SPLIT=split > 1,
+        STATIC=static, PREQUANT=prequant, HAS_BIAS=bias is not None, SPLIT=split > 1,
         EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],

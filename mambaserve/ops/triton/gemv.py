@@ -47,23 +47,6 @@ MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any s
 ACTIVATIONS = {"relu2": 1, "silu_mul": 2}
 
 
-@triton.jit
-def load_activated(ptrs, mask, up_offset, ACT: tl.constexpr):
-    """x elements loaded at `ptrs` (0 where masked) and activated as `ops/activation.py` rounds
-    them: ACT 0 as loaded; 1 relu², squared in float32, one rounding; 2 silu(gate) · up with the
-    up half at `ptrs + up_offset`, silu rounded, then the product rounded."""
-    xv = tl.load(ptrs, mask=mask, other=0.0)
-    if ACT == 1:
-        xf = tl.maximum(xv.to(tl.float32), 0.0)
-        xv = (xf * xf).to(xv.dtype)
-    if ACT == 2:
-        up = tl.load(ptrs + up_offset, mask=mask, other=0.0).to(tl.float32)
-        g = xv.to(tl.float32)
-        sg = (g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32)
-        xv = (sg * up).to(xv.dtype)
-    return xv
-
-
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K, stride_xm,
                  stride_wn, stride_ym, stride_am, k_per_split, split_k, HAS_BIAS: tl.constexpr,
@@ -97,7 +80,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
             k_ok = (k0 + ks) < k_hi
             w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x_ok = row_ok[:, None] & k_ok[None, :]
-        xv = load_activated(x_tile + k0, x_ok, K, ACT)  # ACT 2: x holds [gate | up]
+        xv = tl.load(x_tile + k0, mask=x_ok, other=0.0)
+        if ACT == 1:  # squared in float32, one rounding (ops/activation.py)
+            xf = tl.maximum(xv.to(tl.float32), 0.0)
+            xv = (xf * xf).to(x_ptr.dtype.element_ty)
+        if ACT == 2:  # x holds [gate | up]; silu rounded, then the product rounded
+            up = tl.load(x_tile + K + k0, mask=x_ok, other=0.0).to(tl.float32)
+            g = xv.to(tl.float32)
+            sg = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            xv = (sg * up).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             if IEEE:
                 acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
