@@ -172,13 +172,7 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
                           {"block_m_scan": bm, "block_p_scan": bp, "block_k_scan": bk,
                            "num_warps_scan": nw, "num_stages_scan": ns}, 4)
                          for bm, bp, bk, nw, ns in SSD_SCAN_SWEEP]
-            split = {"split_state_chunks": 1 << 20}  # the state pass as two launches
-            variants += [("dt + state", {}, 2), ("dt + state + CB", {}, 3),
-                         ("split state", split, 4), ("dt + split state", split, 2)]
-            variants += [(f"split state bp{bp} bn{bn} w{nw}",
-                          {**split, "block_p_state": bp, "block_n_state": bn,
-                           "num_warps_state": nw}, 4)
-                         for bp, bn, nw in ((32, 128, 4), (16, 128, 4), (64, 64, 4))]
+            variants += [("dt + state", {}, 2), ("dt + state + CB", {}, 3)]
         for name, knobs, n in variants:
             try:
                 with tuning.override("ssd", **knobs):

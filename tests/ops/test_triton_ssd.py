@@ -155,10 +155,6 @@ KNOBS = {
                        "block_n_scan": 16, "block_k_cb": 16, "block_p_state": 16},
     "wide_p": {"block_p_scan": 64, "block_p_state": 32, "block_l_state": 32, "num_warps_scan": 2,
                "num_stages_scan": 2},
-    # the state pass split in two launches (the chunks' own contributions first, then the walk)
-    "split_state": {"split_state_chunks": 1 << 20},
-    "split_state_l16_nsplit": {"split_state_chunks": 1 << 20, "block_l_state": 16,
-                               "block_n_state": 16, "block_p_state": 16},
 }
 # chunk 32: short first chunks (prefix ends mid-chunk) shorter than a 16-row tile, a row inside one
 # chunk, rows of several chunks with and without initial state, a negative slot
@@ -189,21 +185,11 @@ def test_ssd_fp32_gathered_tokens(shuffle):
     _close(got, ref, st0, F32_TOL)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one_walk", "split_state"])
-def test_ssd_fp32_single_fresh_row(split):
+def test_ssd_fp32_single_fresh_row():
     # one row from zero (every chunk's start state comes from the previous chunk, or none)
     got, ref, st0 = _run([(100, 0, 0, False)], H=2, P=8, N=8, G=1, chunk_size=16,
-                         dtype=torch.float32, seed=7, split_state_chunks=(1 << 20) * split)
+                         dtype=torch.float32, seed=7)
     _close(got, ref, st0, F32_TOL)
-
-
-def test_ssd_split_state_same_as_one_walk():
-    # the split state pass adds the same fp32 contributions in the same order as the one walk
-    kw = dict(H=4, P=16, N=16, G=2, chunk_size=32, dtype=torch.float32, seed=11, permute=True)
-    one, _, _ = _run(ROWS32, split_state_chunks=0, **kw)
-    two, _, _ = _run(ROWS32, split_state_chunks=1 << 20, **kw)
-    for a, b in zip(one, two):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_ssd_fp16_knobs_chunk64():
@@ -248,7 +234,6 @@ GPU_KNOBS = {
     "state_p32_n64_l64": {"block_p_state": 32, "block_n_state": 64, "block_l_state": 64,
                           "num_stages_state": 2},
     "gather": {"contiguous_chunks": False},
-    "split_state": {"split_state_chunks": 1 << 20},
     "m128_p64_w8": {"block_m_scan": 128, "block_p_scan": 64, "num_warps_scan": 8,
                     "num_stages_scan": 1},
 }

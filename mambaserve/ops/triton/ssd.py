@@ -2,15 +2,11 @@
 
 Same chunk plan as the reference (`mambaserve.ops.ssd`): chunks cut at absolute multiples of
 chunk_size, never spanning rows, described by host-built metadata. Four launches in order: dt and
-its cumulative sum per chunk (0), state passing along each row's chunks (S; for rows of few
-chunks split in two: S1 the chunks' own contributions in parallel, S2 the walk adding them up),
-C·Bᵀ per chunk and group (CB), and the output tiles (C). `SsdScan` holds one scan's buffers and its launches as
+its cumulative sum per chunk (0), state passing along each row's chunks (S), C·Bᵀ per chunk and
+group (CB), and the output tiles (C). `SsdScan` holds one scan's buffers and its launches as
 separate methods (a benchmark can time a prefix of them); `ssd_chunk_scan_varlen_triton` runs
 them all. The algorithm, grids, buffers and measurements are in docs/kernels.md ("SSD chunked
 scan"); launch parameters are the `tuning` entry "ssd".
-
-Long module: one scan's kernels share their operand helpers and the buffers `SsdScan` lays out,
-so they stay together with their launcher.
 """
 
 from __future__ import annotations
@@ -82,57 +78,6 @@ def _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, c, t0, clen, 
     return (x.to(tl.float32) * w[None, :]).to(cdt), Bm.to(cdt)
 
 
-@triton.jit
-def _chunk_local_state(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0, clen, ch, cum_last, h,
-                       g, offs_p, offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c,
-                       L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_L: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr):
-    """One chunk's own contribution to a [BLOCK_P, BLOCK_N] state tile (from a zero start):
-    (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B in fp32."""
-    if BLOCK_L == L:  # the whole chunk in one dot, no loop
-        xw, Bm = _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0, clen,
-                                       ch, cum_last, h, g, 0, offs_p, offs_n, mp, mn, x_t,
-                                       x_h, x_p, B_t, B_g, B_n, cti_c, L, CONTIG)
-        loc = tl.dot(xw, Bm, input_precision=IP)
-    else:
-        loc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-        for l0 in range(0, clen, BLOCK_L):
-            xw, Bm = _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0,
-                                           clen, ch, cum_last, h, g, l0, offs_p, offs_n, mp,
-                                           mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, BLOCK_L,
-                                           CONTIG)
-            loc = tl.dot(xw, Bm, acc=loc, input_precision=IP)
-    return loc
-
-
-@triton.jit
-def _chunk_local_state_kernel(
-    x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, st_ptr,
-    H, P, N, heads_per_group, x_t, x_h, x_p, B_t, B_g, B_n, cti_c,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    IP: tl.constexpr, CONTIG: tl.constexpr,
-):
-    """Launch S1 of the split state pass: every chunk's own contribution at once (grid over
-    chunks), stored where launch S2 turns it into the chunk's end state."""
-    num_nb = tl.cdiv(N, BLOCK_N)
-    pb = tl.program_id(0) // num_nb
-    nb = tl.program_id(0) % num_nb
-    h = tl.program_id(1)
-    cid = tl.program_id(2).to(tl.int64)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    mp = offs_p < P
-    mn = offs_n < N
-    ch = (cid * H + h) * L
-    loc = _chunk_local_state(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid,
-                             tl.load(cti_ptr + cid * cti_c), tl.load(clen_ptr + cid), ch,
-                             tl.load(cum_ptr + ch + L - 1), h, h // heads_per_group, offs_p,
-                             offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L, BLOCK_P,
-                             BLOCK_N, BLOCK_L, IP, CONTIG)
-    tl.store(st_ptr + (cid * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :], loc,
-             mask=mp[:, None] & mn[None, :])
-
-
 @triton.jit(do_not_specialize=["num_chunks", "rc_r"])
 def _chunk_state_passing_kernel(
     x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, st_ptr, src_ptr,
@@ -140,13 +85,11 @@ def _chunk_state_passing_kernel(
     num_chunks, H, P, N, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n, cti_c, s_slot, s_h, s_p, s_n, rc_r,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    IP: tl.constexpr, CONTIG: tl.constexpr, LOCAL_STORED: tl.constexpr,
+    IP: tl.constexpr, CONTIG: tl.constexpr,
 ):
     """Launch S (docs/kernels.md): walks one row's chunks in order for a [BLOCK_P, BLOCK_N]
     tile of one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B,
-    keeping S in registers; each chunk's true end state is stored once. LOCAL_STORED (launch S2
-    of the split pass): the chunks' own contributions were stored in place by launch S1, so the
-    walk only reads them (the next chunk's one an iteration ahead) instead of computing them."""
+    keeping S in registers; each chunk's true end state is stored once."""
     num_nb = tl.cdiv(N, BLOCK_N)
     pb = tl.program_id(0) // num_nb
     nb = tl.program_id(0) % num_nb
@@ -177,21 +120,25 @@ def _chunk_state_passing_kernel(
     cid = tl.load(row_chunks_ptr + r * rc_r).to(tl.int64)
     t0 = tl.load(cti_ptr + cid * cti_c)
     clen = tl.load(clen_ptr + cid)
-    if LOCAL_STORED:
-        loc_n = tl.load(st_ptr + (cid * H + h) * PN + st_off, mask=mpn & (nck > 0), other=0.0)
     for i in range(nck):
         tl.store(src_ptr + cid, prev, mask=writer)
         ch = (cid * H + h) * L
         cum_last = tl.load(cum_ptr + ch + L - 1)
+        if BLOCK_L == L:  # the whole chunk in one dot, no loop
+            xw, Bm = _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0, clen,
+                                           ch, cum_last, h, g, 0, offs_p, offs_n, mp, mn, x_t,
+                                           x_h, x_p, B_t, B_g, B_n, cti_c, L, CONTIG)
+            loc = tl.dot(xw, Bm, input_precision=IP)
+        else:
+            loc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+            for l0 in range(0, clen, BLOCK_L):
+                xw, Bm = _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0,
+                                               clen, ch, cum_last, h, g, l0, offs_p, offs_n, mp,
+                                               mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, BLOCK_L,
+                                               CONTIG)
+                loc = tl.dot(xw, Bm, acc=loc, input_precision=IP)
         more = i + 1 < nck
         nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
-        if LOCAL_STORED:
-            loc = loc_n
-            loc_n = tl.load(st_ptr + (nxt * H + h) * PN + st_off, mask=mpn & more, other=0.0)
-        else:
-            loc = _chunk_local_state(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0, clen, ch,
-                                     cum_last, h, g, offs_p, offs_n, mp, mn, x_t, x_h, x_p, B_t,
-                                     B_g, B_n, cti_c, L, BLOCK_P, BLOCK_N, BLOCK_L, IP, CONTIG)
         t0_n = tl.load(cti_ptr + nxt * cti_c, mask=more, other=0)
         clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)
         running = running * tl.exp(cum_last) + loc
@@ -375,9 +322,6 @@ class SsdScan:
         self.bns = k["block_n_state"] or _pow2_at_most(N, 128)
         self.bls = k["block_l_state"] or L
         self.warps_state, self.stages_state = k["num_warps_state"], k["num_stages_state"]
-        # few chunks per row: the walk along them is latency-bound, so their own contributions
-        # are computed in parallel first (launch S1) and the walk only adds them up
-        self.split_state = num_chunks <= k["split_state_chunks"] * R
         self.bcb = k["block_cb"] or min(L, 64)
         self.bkcb = k["block_k_cb"] or _pow2_at_most(N, 128)
         self.warps_cb = k["num_warps_cb"]
@@ -435,25 +379,17 @@ class SsdScan:
         )
 
     def launch_state(self) -> None:
-        """S: every chunk's end state, each row's final state into its slot; split in two
-        launches (S1: the chunks' own contributions in parallel, S2: the walk) when the rows
-        average at most `split_state_chunks` chunks."""
+        """S: every chunk's end state, each row's final state into its slot."""
         x, B, cti, ssm = self.x, self.B, self.chunk_token_idx, self.ssm_state
         P, N = self.P, self.N
-        tiles = triton.cdiv(P, self.bps) * triton.cdiv(N, self.bns)
-        blocks = dict(L=self.L, BLOCK_P=self.bps, BLOCK_N=self.bns, BLOCK_L=self.bls, IP=self.ip,
-                      CONTIG=self.contig, num_warps=self.warps_state)
-        if self.split_state:
-            _chunk_local_state_kernel[(tiles, self.H, self.num_chunks)](
-                x, B, cti, self.dt_c, self.cum, self.clen, self.states,
-                self.H, P, N, self.H // self.G, *x.stride(), *B.stride(), cti.stride(0),
-                **blocks)
-        _chunk_state_passing_kernel[(tiles, self.H, self.R)](
+        _chunk_state_passing_kernel[(triton.cdiv(P, self.bps) * triton.cdiv(N, self.bns),
+                                     self.H, self.R)](
             x, B, cti, self.dt_c, self.cum, self.clen, self.states, self.chunk_src,
             ssm, self.state_slots, self.has_initial_state, self.row_chunks, self.row_num_chunks,
             self.num_chunks, self.H, P, N, self.H // self.G,
             *x.stride(), *B.stride(), cti.stride(0), *ssm.stride(), self.row_chunks.stride(0),
-            LOCAL_STORED=self.split_state, num_stages=self.stages_state, **blocks,
+            L=self.L, BLOCK_P=self.bps, BLOCK_N=self.bns, BLOCK_L=self.bls, IP=self.ip,
+            CONTIG=self.contig, num_warps=self.warps_state, num_stages=self.stages_state,
         )
 
     def launch_cb(self) -> None:

@@ -57,7 +57,7 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
         "block_p_state": 64, "block_n_state": None, "block_l_state": None,
-        "num_warps_state": 4, "num_stages_state": 1, "split_state_chunks": 0,
+        "num_warps_state": 4, "num_stages_state": 1,
         "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
         "block_m_scan": None, "block_p_scan": None, "block_k_scan": 16, "block_n_scan": None,
         "num_warps_scan": 4, "num_stages_scan": 3,
