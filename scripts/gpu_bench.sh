@@ -36,9 +36,10 @@ if [ -d .whl/xdist ] && ! $PY -c "import xdist" 2>/dev/null; then  # parallel GP
         --target /tmp/site-xdist .whl/xdist/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site-xdist
 fi
 # pytest workers of the GPU test stages (each compiles its own kernels: the compiles, not the
-# GPU, bound those stages): TEST_WORKERS (default 8) when pytest-xdist imports, else one process
+# GPU, bound those stages): TEST_WORKERS (default 3: 8 ran an H100 out of memory) when
+# pytest-xdist imports, else one process
 XDIST=""
-$PY -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" -gt 1 ] && XDIST="-n ${TEST_WORKERS:-8}"
+$PY -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-3}" -gt 1 ] && XDIST="-n ${TEST_WORKERS:-3}"
 
 log() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 run() {  # run STAGE_NAME DEFAULT_TIMEOUT CMD...
