@@ -76,12 +76,15 @@ def test_single_call_streamed(nemotron):
     final, chunks = _streamed(nemotron, messages=_ask("1"), tools=[WEATHER], temperature=0)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
-    first = calls[0]  # announced with id, type and name, then the arguments in chunks
+    # announced once with id, type and name, then the arguments. Outputs that pile up while the
+    # client reads are sent as one chunk (engine/request_stream.py), so on a fast machine the
+    # announcement may carry the first arguments too; the parse of every prefix of the text,
+    # token by token, is test_tool_parsers.py's
+    first = calls[0]
     assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
-    assert first.function.name == "get_weather" and first.function.arguments == ""
-    rest = calls[1:]
-    assert len(rest) >= 2 and all(c.id is None and c.function.name is None for c in rest)
-    assert "".join(c.function.arguments for c in rest) == '{"city": "Paris"}'
+    assert first.function.name == "get_weather"
+    assert all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == '{"city": "Paris"}'
     assert "".join(d.content or "" for d in deltas) == "Let me check."
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     msg = final.choices[0].message  # the openai library's accumulation of the deltas
@@ -130,8 +133,9 @@ def test_no_call_and_malformed_call_are_content(nemotron, stream):
         assert ch.message.content == EXPECTED[sel]
         if not stream or sel == "4":
             assert not ch.message.tool_calls
-        else:  # a broken call is known broken only at its end: its announcement was sent
+        elif ch.message.tool_calls:  # streamed, announced before the call was known broken
             assert [c.function.name for c in ch.message.tool_calls] == ["get_weather"]
+        # (else the whole broken call reached the parser in one piled-up chunk: never announced)
 
 
 def test_tool_choice_none_reads_no_calls(nemotron):
