@@ -102,6 +102,9 @@ class HostMetadata:
     num_restores: int
     arrays: dict[str, np.ndarray]  # names are ForwardMetadata / PrefillMetadata fields
     row_spans: tuple[tuple[int, int, int], ...] = ()  # PrefillMetadata.row_spans
+    # a prefill graph's bucket bytes, already packed (engine/prefill_template.py): the step's
+    # other arrays are then not kept
+    packed: np.ndarray | None = None
 
     def on_device(self, tensors: dict[str, torch.Tensor]) -> ForwardMetadata:
         """The metadata over `tensors` (the uploaded arrays, possibly among other parts)."""

@@ -45,6 +45,7 @@ import torch
 
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_graph
+from mambaserve.engine.prefill_template import SoloTemplates
 from mambaserve.host_upload import copy_into, layout, views
 from mambaserve.metadata import ForwardMetadata, HostMetadata, PrefillMetadata, plan_metadata
 from mambaserve.ops.dispatch import kernel_path
@@ -328,6 +329,7 @@ class PrefillGraphRunner:
         self.capture_enabled = capture and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._loaded: tuple[tuple[int, int], int] | None = None  # (bucket, real logit rows)
+        self.templates = SoloTemplates(self.page_size)  # fresh lone prompts' packed steps
 
     # ---- routing ----------------------------------------------------------------------------
     def bucket_of(self, batch: Batch) -> tuple[int, int] | None:
@@ -367,9 +369,17 @@ class PrefillGraphRunner:
     def plan(self, batch: Batch) -> tuple[tuple[int, int], HostMetadata]:
         """The host side of `load`: the step's bucket and its eager metadata (under tensor
         parallelism rank 0 plans once and every rank loads it with `load_planned`)."""
-        host = plan_metadata(batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel,
-                             page_size=self.page_size, scratch_page=self.scratch_page)
-        return self.bucket_of(batch), host
+        key = self.bucket_of(batch)
+        host = self.templates.plan(key, batch)  # a fresh lone prompt of a known shape
+        if host is None:
+            host = plan_metadata(batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel,
+                                 page_size=self.page_size, scratch_page=self.scratch_page)
+            if self.templates.wants(key, batch):  # kept for its next prompts of the key
+                b = self.buckets[key]
+                packed = pack_prefill_step(host, b, page_size=self.page_size,
+                                           scratch_page=self.scratch_page)
+                host = self.templates.remember(key, batch, host, packed, b.host_views(packed))
+        return key, host
 
     def load_planned(self, key: tuple[int, int], host: HostMetadata,
                      staged: torch.Tensor | None = None) -> ForwardMetadata:
@@ -390,7 +400,9 @@ class PrefillGraphRunner:
 
     def step_bytes(self, key: tuple[int, int], host: HostMetadata | None) -> np.ndarray:
         """The bytes of bucket `key`'s static buffer for the step planned as `host` (None: all
-        padding, for capture)."""
+        padding, for capture); a template's stub (`prefill_template.py`) carries them."""
+        if host is not None and host.packed is not None:
+            return host.packed
         return pack_prefill_step(host, self.buckets[key], page_size=self.page_size,
                                  scratch_page=self.scratch_page, reuse=True)
 

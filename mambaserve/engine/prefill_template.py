@@ -1,0 +1,98 @@
+"""Packed prefill-graph steps of fresh lone prompts, kept as templates and patched per prompt.
+
+A lone prompt's first step (one prefill row from position 0, no initial state, no snapshot or
+restore, nothing decoding beside it) is the single-request TTFT case, and its host time before
+the replay adds straight onto the TTFT (docs/benchmarks.md, "Host time per step"). Its bucket
+bytes (`pack_prefill_step` over `plan_metadata`) depend on the prompt only through four parts:
+the token ids, the slot mapping and the page-table row (from the request's pages) and the state
+slot. Everything else (positions, conv windows, the SSD chunk grid, the padding rows, logit
+rows) is fixed by the bucket, the token count, the number of pages and the logit positions.
+
+`SoloTemplates.plan` returns, for such a step whose key it has seen, a `HostMetadata` stub whose
+`packed` field holds the bucket bytes: the template's own buffer with those four parts written
+for this prompt (the same bytes the full packing gives: tests/engine/test_prefill_template.py
+compares them on random prompts). The buffer is rewritten by the next step of the same key; the
+runner copies it into the step's upload at once, as it does the bucket's scratch buffer. Any
+other step returns None and is planned in full; a fresh lone prompt of a key not seen yet is
+planned and packed in full once and kept as its key's template (`remember`), up to
+MAX_TEMPLATES keys. So a prompt length seen before skips the planning and the packing: the
+first-step host time of a lone prompt drops by ~45 % on the project's 2-core CPU machine
+(docs/benchmarks.md, "Host time per step").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mambaserve.engine.batch import Batch
+from mambaserve.metadata import HostMetadata
+
+# templates kept per runner (one per key): a 512-token bucket's bytes are ~60 KB, so at most
+# ~30 MB of host memory
+MAX_TEMPLATES = 512
+# the bucket's parts a fresh lone prompt's data reaches (everything else is the key's)
+PATCHED = ("input_ids", "slot_mapping", "page_table", "state_slots")
+
+
+@dataclass
+class _Template:
+    host: HostMetadata  # the stub handed on: the step's host ints, logits_idx, `packed`
+    views: dict[str, np.ndarray]  # PATCHED parts of the packed buffer
+    page_of: np.ndarray  # per token: its page's index in the row's page list
+    offset: np.ndarray  # per token: its slot inside that page
+
+
+def solo_key(bucket: tuple[int, int], batch: Batch) -> tuple | None:
+    """The template key of a fresh lone prompt's step in `bucket`; None for any other step."""
+    if batch.decodes or len(batch.prefills) != 1:
+        return None
+    r = batch.prefills[0]
+    if r.start or r.has_initial_state or r.snapshots or r.restore_from >= 0:
+        return None
+    return bucket, r.num_tokens, len(r.pages), tuple(r.logits_positions)
+
+
+class SoloTemplates:
+    def __init__(self, page_size: int, max_templates: int = MAX_TEMPLATES) -> None:
+        self.page_size, self.max_templates = page_size, max_templates
+        self._by_key: dict[tuple, _Template] = {}
+
+    def plan(self, bucket: tuple[int, int], batch: Batch) -> HostMetadata | None:
+        """The stub of a step whose template is known, its bytes written for `batch`."""
+        key = solo_key(bucket, batch)
+        t = None if key is None else self._by_key.get(key)
+        if t is None:
+            return None
+        r, v = batch.prefills[0], t.views
+        pages = np.array(r.pages, dtype=np.int64)
+        v["input_ids"][: r.num_tokens] = r.token_ids
+        v["slot_mapping"][: r.num_tokens] = pages[t.page_of] * self.page_size + t.offset
+        v["page_table"][0, : len(pages)] = pages
+        v["state_slots"][0] = r.state_slot
+        return t.host
+
+    def wants(self, bucket: tuple[int, int], batch: Batch) -> bool:
+        """Whether `remember` would keep this step: a fresh lone prompt of a new key, with room
+        left."""
+        key = solo_key(bucket, batch)
+        return key is not None and key not in self._by_key and \
+            len(self._by_key) < self.max_templates
+
+    def remember(self, bucket: tuple[int, int], batch: Batch, host: HostMetadata,
+                 packed: np.ndarray, views: dict[str, np.ndarray]) -> HostMetadata:
+        """Keep a fully planned fresh lone prompt's step (`wants`) as its key's template:
+        `packed` (a buffer of its own, not the bucket's scratch) and its `views` (`host_views`);
+        returns the stub to run this step with."""
+        key = solo_key(bucket, batch)
+        assert self.wants(bucket, batch), key
+        positions = np.arange(batch.prefills[0].num_tokens, dtype=np.int64)
+        stub = HostMetadata(host.num_prefills, host.num_prefill_tokens, host.num_decodes,
+                            host.num_tokens, host.num_chunks, host.max_kv_len,
+                            host.num_prefill_snapshots, host.num_decode_snapshots,
+                            host.num_restores, {"logits_idx": host.arrays["logits_idx"]},
+                            host.row_spans, packed=packed)
+        self._by_key[key] = _Template(stub, {n: views[n] for n in PATCHED},
+                                      positions // self.page_size, positions % self.page_size)
+        return stub
