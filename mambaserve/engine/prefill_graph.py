@@ -367,19 +367,19 @@ class PrefillGraphRunner:
         return self.load_planned(*self.plan(batch))
 
     def plan(self, batch: Batch) -> tuple[tuple[int, int], HostMetadata]:
-        """The host side of `load`: the step's bucket and its eager metadata (under tensor
-        parallelism rank 0 plans once and every rank loads it with `load_planned`)."""
+        """The host side of `load`: the step's bucket and its eager metadata, or for a fresh lone
+        prompt a template's stub carrying the packed bytes (engine/prefill_template.py); under
+        tensor parallelism rank 0 plans once and every rank loads it with `load_planned`."""
         key = self.bucket_of(batch)
-        host = self.templates.plan(key, batch)  # a fresh lone prompt of a known shape
-        if host is None:
-            host = plan_metadata(batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel,
-                                 page_size=self.page_size, scratch_page=self.scratch_page)
-            if self.templates.wants(key, batch):  # kept for its next prompts of the key
-                b = self.buckets[key]
-                packed = pack_prefill_step(host, b, page_size=self.page_size,
-                                           scratch_page=self.scratch_page)
-                host = self.templates.remember(key, batch, host, packed, b.host_views(packed))
-        return key, host
+        b, ps, sp = self.buckets[key], self.page_size, self.scratch_page
+
+        def pack_own(host: HostMetadata) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+            packed = pack_prefill_step(host, b, page_size=ps, scratch_page=sp)  # its own buffer
+            return packed, b.host_views(packed)
+
+        return key, self.templates.plan(key, batch, lambda: plan_metadata(
+            batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel, page_size=ps,
+            scratch_page=sp), pack_own)
 
     def load_planned(self, key: tuple[int, int], host: HostMetadata,
                      staged: torch.Tensor | None = None) -> ForwardMetadata:

@@ -14,7 +14,7 @@ for this prompt (the same bytes the full packing gives: tests/engine/test_prefil
 compares them on random prompts). The buffer is rewritten by the next step of the same key; the
 runner copies it into the step's upload at once, as it does the bucket's scratch buffer. Any
 other step returns None and is planned in full; a fresh lone prompt of a key not seen yet is
-planned and packed in full once and kept as its key's template (`remember`), up to
+planned and packed in full once and kept as its key's template, up to
 MAX_TEMPLATES keys. So a prompt length seen before skips the planning and the packing: the
 first-step host time of a lone prompt drops by ~45 % on the project's 2-core CPU machine
 (docs/benchmarks.md, "Host time per step").
@@ -22,7 +22,8 @@ first-step host time of a lone prompt drops by ~45 % on the project's 2-core CPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -59,12 +60,20 @@ class SoloTemplates:
         self.page_size, self.max_templates = page_size, max_templates
         self._by_key: dict[tuple, _Template] = {}
 
-    def plan(self, bucket: tuple[int, int], batch: Batch) -> HostMetadata | None:
-        """The stub of a step whose template is known, its bytes written for `batch`."""
+    def plan(self, bucket: tuple[int, int], batch: Batch, plan_full: Callable[[], HostMetadata],
+             pack: Callable[[HostMetadata], tuple[np.ndarray, dict[str, np.ndarray]]]
+             ) -> HostMetadata:
+        """The step's host side. A fresh lone prompt of a known key: the key's stub, its bytes
+        written for `batch`. Else `plan_full()` (`plan_metadata`); for a fresh lone prompt of a
+        new key with room left, its bytes are also packed once (`pack`: into a buffer of their
+        own, with its `host_views`) and kept as the key's template, and the stub is returned."""
         key = solo_key(bucket, batch)
         t = None if key is None else self._by_key.get(key)
         if t is None:
-            return None
+            host = plan_full()
+            if key is None or len(self._by_key) >= self.max_templates:
+                return host
+            t = self._remember(key, host, *pack(host), batch.prefills[0].num_tokens)
         r, v = batch.prefills[0], t.views
         pages = np.array(r.pages, dtype=np.int64)
         v["input_ids"][: r.num_tokens] = r.token_ids
@@ -73,26 +82,10 @@ class SoloTemplates:
         v["state_slots"][0] = r.state_slot
         return t.host
 
-    def wants(self, bucket: tuple[int, int], batch: Batch) -> bool:
-        """Whether `remember` would keep this step: a fresh lone prompt of a new key, with room
-        left."""
-        key = solo_key(bucket, batch)
-        return key is not None and key not in self._by_key and \
-            len(self._by_key) < self.max_templates
-
-    def remember(self, bucket: tuple[int, int], batch: Batch, host: HostMetadata,
-                 packed: np.ndarray, views: dict[str, np.ndarray]) -> HostMetadata:
-        """Keep a fully planned fresh lone prompt's step (`wants`) as its key's template:
-        `packed` (a buffer of its own, not the bucket's scratch) and its `views` (`host_views`);
-        returns the stub to run this step with."""
-        key = solo_key(bucket, batch)
-        assert self.wants(bucket, batch), key
-        positions = np.arange(batch.prefills[0].num_tokens, dtype=np.int64)
-        stub = HostMetadata(host.num_prefills, host.num_prefill_tokens, host.num_decodes,
-                            host.num_tokens, host.num_chunks, host.max_kv_len,
-                            host.num_prefill_snapshots, host.num_decode_snapshots,
-                            host.num_restores, {"logits_idx": host.arrays["logits_idx"]},
-                            host.row_spans, packed=packed)
-        self._by_key[key] = _Template(stub, {n: views[n] for n in PATCHED},
-                                      positions // self.page_size, positions % self.page_size)
-        return stub
+    def _remember(self, key: tuple, host: HostMetadata, packed: np.ndarray,
+                  bucket_views: dict[str, np.ndarray], num_tokens: int) -> _Template:
+        positions = np.arange(num_tokens, dtype=np.int64)
+        stub = replace(host, arrays={"logits_idx": host.arrays["logits_idx"]}, packed=packed)
+        t = self._by_key[key] = _Template(stub, {n: bucket_views[n] for n in PATCHED},
+                                          *np.divmod(positions, self.page_size))
+        return t
