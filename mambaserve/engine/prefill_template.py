@@ -1,15 +1,17 @@
 """Packed prefill-graph steps of fresh lone prompts, kept as templates and patched per prompt.
 
-A lone prompt's first step (one prefill row from position 0, no initial state, no snapshot or
-restore, nothing decoding beside it) is the single-request TTFT case, and its host time before
-the replay adds straight onto the TTFT (docs/benchmarks.md, "Host time per step"). Its bucket
-bytes (`pack_prefill_step` over `plan_metadata`) depend on the prompt only through four parts:
-the token ids, the slot mapping and the page-table row (from the request's pages) and the state
-slot. Everything else (positions, conv windows, the SSD chunk grid, the padding rows, logit
-rows) is fixed by the bucket, the token count, the number of pages and the logit positions.
+A lone prompt's first step (one prefill row from position 0, no initial state, no restore,
+nothing decoding beside it) is the single-request TTFT case, and its host time before the
+replay adds straight onto the TTFT (docs/benchmarks.md, "Host time per step"). Its bucket bytes
+(`pack_prefill_step` over `plan_metadata`) depend on the prompt only through five parts: the
+token ids, the slot mapping and the page-table row (from the request's pages), the state slot
+and, with the prefix cache on, the snapshots' destination slots. Everything else (positions,
+conv windows, the SSD chunk grid, the snapshots' chunks and conv windows, the padding rows,
+logit rows) is fixed by the bucket, the token count, the number of pages, the snapshot
+positions and the logit positions.
 
 `SoloTemplates.plan` returns, for such a step whose key it has seen, a `HostMetadata` stub whose
-`packed` field holds the bucket bytes: the template's own buffer with those four parts written
+`packed` field holds the bucket bytes: the template's own buffer with those five parts written
 for this prompt (the same bytes the full packing gives: tests/engine/test_prefill_template.py
 compares them on random prompts). The buffer is rewritten by the next step of the same key; the
 runner copies it into the step's upload at once, as it does the bucket's scratch buffer. Any
@@ -34,7 +36,7 @@ from mambaserve.metadata import HostMetadata
 # ~30 MB of host memory
 MAX_TEMPLATES = 512
 # the bucket's parts a fresh lone prompt's data reaches (everything else is the key's)
-PATCHED = ("input_ids", "slot_mapping", "page_table", "state_slots")
+PATCHED = ("input_ids", "slot_mapping", "page_table", "state_slots", "snap_dst")
 
 
 @dataclass
@@ -50,9 +52,10 @@ def solo_key(bucket: tuple[int, int], batch: Batch) -> tuple | None:
     if batch.decodes or len(batch.prefills) != 1:
         return None
     r = batch.prefills[0]
-    if r.start or r.has_initial_state or r.snapshots or r.restore_from >= 0:
+    if r.start or r.has_initial_state or r.restore_from >= 0:
         return None
-    return bucket, r.num_tokens, len(r.pages), tuple(r.logits_positions)
+    return (bucket, r.num_tokens, len(r.pages), tuple(r.logits_positions),
+            tuple(pos for pos, _ in r.snapshots))
 
 
 class SoloTemplates:
@@ -80,6 +83,8 @@ class SoloTemplates:
         v["slot_mapping"][: r.num_tokens] = pages[t.page_of] * self.page_size + t.offset
         v["page_table"][0, : len(pages)] = pages
         v["state_slots"][0] = r.state_slot
+        for i, (_, dst) in enumerate(r.snapshots):
+            v["snap_dst"][i] = dst
         return t.host
 
     def _remember(self, key: tuple, host: HostMetadata, packed: np.ndarray,

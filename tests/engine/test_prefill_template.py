@@ -1,6 +1,7 @@
 """Fresh lone prompts' packed prefill-graph steps from templates (engine/prefill_template.py):
 the bytes a template gives a prompt are the bytes the full plan and packing give it, over random
-prompts, pages, slots and lengths (chunked first chunks too); other steps are planned in full."""
+prompts, pages, slots, lengths (chunked first chunks too) and prefix-cache snapshots; other
+steps are planned in full."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from mambaserve import LLM
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.engine.prefill_graph import PrefillGraphRunner, pack_prefill_step
 from mambaserve.engine.prefill_template import solo_key
+from mambaserve.engine.sampling_params import SamplingParams
 from mambaserve.metadata import plan_metadata
 
 PS = 4
@@ -26,11 +28,17 @@ def graphs(tiny_ckpt):
                               max_solo_tokens=64)
 
 
-def _prompt(rng: random.Random, n: int, samples: bool, extra_pages: int) -> Row:
+def _prompt(rng: random.Random, n: int, samples: bool, extra_pages: int,
+            chunk: int = 0) -> Row:
+    """A fresh prompt's first row of n tokens; `chunk` > 0: prefix-cache snapshots at a random
+    choice of the row's chunk ends (multiples of `chunk`, and its last token), random slots."""
     ids = [rng.randrange(3, 300) for _ in range(n)]
     pages = rng.sample(range(24), -(-n // PS) + extra_pages)
-    r = Row.standalone(ids + ([7, 7] if not samples else []), 0, rng.randrange(4), False, pages)
-    return r if samples else Row(r.request, 0, n, [], -1, False)
+    ends = sorted({*range(chunk, n + 1, chunk or n + 1), n}) if chunk else []
+    snaps = [(p, rng.randrange(8, 40)) for p in ends if rng.random() < 0.6]
+    r = Row.standalone(ids + ([7, 7] if not samples else []), 0, rng.randrange(4), False, pages,
+                       snapshots=snaps)
+    return r if samples else Row(r.request, 0, n, snaps, -1, False)
 
 
 def _full_bytes(graphs, key, batch) -> np.ndarray:
@@ -46,7 +54,8 @@ def test_template_bytes_are_the_full_packing(graphs):
     for i in range(120):
         n = rng.choice([1, 3, 4, 16, 17, 31, 40, 64])
         batch = Batch([_prompt(rng, n, samples=rng.random() < 0.8,
-                               extra_pages=rng.choice([0, 0, 1]))], [])
+                               extra_pages=rng.choice([0, 0, 1]),
+                               chunk=rng.choice([0, graphs.chunk_size]))], [])
         assert graphs.can_run(batch)
         key, host = graphs.plan(batch)
         got = graphs.step_bytes(key, host).copy()
@@ -61,8 +70,8 @@ def test_other_steps_are_planned_in_full(graphs):
     first = _prompt(rng, 10, True, 0)
     decode = Row.standalone([5], 6, 3, True, [20, 21])
     cont = Row.standalone(list(range(3, 13)), 6, 2, True, [10, 11, 12, 13])  # a suffix
-    snap = Row.standalone(list(range(3, 19)), 0, 1, False, [14, 15, 16, 17], snapshots=[(16, 5)])
-    for batch in (Batch([first], [decode]), Batch([cont], []), Batch([snap], []),
+    restore = Row.standalone(list(range(3, 19)), 0, 1, False, [14, 15, 16, 17], restore_from=5)
+    for batch in (Batch([first], [decode]), Batch([cont], []), Batch([restore], []),
                   Batch([first, _prompt(rng, 5, True, 0)], [])):
         key = graphs.bucket_of(batch)
         assert solo_key(key, batch) is None
@@ -71,3 +80,42 @@ def test_other_steps_are_planned_in_full(graphs):
             assert host.packed is None
             np.testing.assert_array_equal(graphs.step_bytes(key, host),
                                           _full_bytes(graphs, key, batch))
+
+
+def test_lone_prompts_with_the_prefix_cache_through_templates(tiny_ckpt):
+    """Lone prompts one after another (lengths repeat, so later ones take templates), prefix
+    caching on: the same tokens as eager, and each prompt's snapshots, written through a
+    template's patched destination slots, serve its follow-up turn (a hit, eager's tokens)."""
+    kw = {"device": "cpu", "max_model_len": 96, "max_num_seqs": 2, "page_size": PS,
+          "enable_prefix_caching": True}
+    eager = LLM(tiny_ckpt, **kw)
+    graph = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_prefill_tokens=32, **kw)
+    templates, used = graph.engine.runner.prefill_graph_runner.templates, []
+    plan = templates.plan
+
+    def noted(*a):
+        host = plan(*a)
+        used.append(host.packed is not None and bool(a[1].prefills[0].snapshots))
+        return host
+
+    templates.plan = noted
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+    def same(outs, i):  # tokens, and their logprobs (which see the restored state)
+        (a,), (b,) = outs[0].outputs, outs[1].outputs
+        assert a.token_ids == b.token_ids, i
+        np.testing.assert_allclose([d[t] for d, t in zip(b.logprobs, b.token_ids)],
+                                   [d[t] for d, t in zip(a.logprobs, a.token_ids)],
+                                   rtol=0, atol=1e-4, err_msg=str(i))
+
+    rng = random.Random(3)
+    for i in range(6):
+        p = [rng.randrange(3, 300) for _ in range((17, 24)[i % 2])]
+        first = [llm.generate([{"prompt_token_ids": p}], params)[0] for llm in (eager, graph)]
+        same(first, i)
+        turn = p + first[0].outputs[0].token_ids + [rng.randrange(3, 300) for _ in range(5)]
+        second = [llm.generate([{"prompt_token_ids": turn}], params)[0] for llm in (eager, graph)]
+        same(second, i)
+        assert second[1].num_cached_tokens >= 16, i  # the snapshot of the template step hit
+    assert sum(used) >= 3  # templates with snapshots served the repeated lengths
+    graph.engine.check_integrity()
