@@ -3,7 +3,9 @@
 One batch of B prompts of L tokens runs through the engine under `torch.profiler`: first the
 prefill (every step until each prompt has its first token), then `--steps` decode steps, then
 (with `--mixed-len M`) the mixed steps of one new M-token prompt prefilled while the batch keeps
-decoding (the serving case: its chunks capped by `max_step_prefill_tokens`). The
+decoding (the serving case: its chunks capped by `max_step_prefill_tokens`). With
+`--cached-prefix-len P` each prompt follows a P-token history prefilled first (unprofiled), so
+the prefill phase is a follow-up turn's: a prefix-cache hit and the uncached suffix. The
 device time of every kernel is summed by name and grouped (matmul, SSD scan, conv, attention,
 norm, state update, copies, elementwise, communication: the tensor-parallel collectives, other);
 the report gives each group's share of the step, how busy the device was during the step (busy /
@@ -231,11 +233,23 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
             backend.run(b, n, decode_steps + 2, c.seed + 1000 + w)
         eng = backend.engine
         params = SamplingParams(temperature=0, max_tokens=c.output_len, ignore_eos=True)
+        prompts = random_prompts(cfg.vocab_size, b, n, c.seed)
+        if c.cached_prefix_len:  # a follow-up turn: the histories first, untimed, unprofiled
+            histories = random_prompts(cfg.vocab_size, b, c.cached_prefix_len, c.seed + 7919)
+            for h in histories:
+                backend.counter += 1
+                eng.add_request(f"h{backend.counter}", {"prompt_token_ids": h},
+                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            while eng.has_unfinished_requests():
+                eng.step()
+            prompts = [h + q for h, q in zip(histories, prompts)]
         ids = []
-        for prompt in random_prompts(cfg.vocab_size, b, n, c.seed):
+        for prompt in prompts:
             backend.counter += 1
             ids.append(f"p{backend.counter}")
             eng.add_request(ids[-1], {"prompt_token_ids": prompt}, params)
+
+        cached: dict[str, int] = {}
 
         def prefill() -> int:
             started: set[str] = set()
@@ -244,6 +258,7 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
                 outs = eng.step()
                 steps += 1
                 started.update(o.request_id for o in outs if o.outputs[0].token_ids)
+                cached.update((o.request_id, o.num_cached_tokens) for o in outs)
             return steps
 
         def decode() -> int:
@@ -254,6 +269,10 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
         prof, wall, steps = _profiled(prefill, device)
         pre = _phase("prefill", prof, wall, steps, device, top, by_grid,
                      matmul_flops=2.0 * (counts.per_token * b * n + counts.lm_head * b))
+        if c.cached_prefix_len:
+            pre.notes.append(f"after a {c.cached_prefix_len}-token history: the prefix cache "
+                             f"served {min(cached.values(), default=0)}.."
+                             f"{max(cached.values(), default=0)} tokens per prompt")
         prof, wall, steps = _profiled(decode, device)
         weight_bytes = (counts.params - counts.embedding) * dtype.itemsize
         dec = _phase("decode", prof, wall, steps, device, top, by_grid,
@@ -330,6 +349,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="prompts in the batch")
     p.add_argument("--input-len", type=int, default=512, help="tokens per prompt")
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled after the prefill")
+    p.add_argument("--cached-prefix-len", type=int, default=0,
+                   help="a follow-up turn: each prompt is this many tokens served from the prefix "
+                        "cache (prefilled before, unprofiled), then the profiled input")
     p.add_argument("--mixed-len", type=int, default=0,
                    help="also profile the steps that prefill one prompt of this many tokens "
                         "while the batch decodes (0: skip)")
@@ -345,7 +367,8 @@ def run_cli(a: argparse.Namespace) -> int:
     """`mambaserve bench profile`; a bad setting is a ValueError (one line from the CLI)."""
     c = OneBatchConfig(model=a.model, preset=a.preset, batch_sizes=[a.batch_size],
                        input_lens=[a.input_len], device=a.device, dtype=a.dtype,
-                       warmup=a.warmup, seed=a.seed, engine=parse_settings(a.engine))
+                       warmup=a.warmup, seed=a.seed, engine=parse_settings(a.engine),
+                       cached_prefix_len=a.cached_prefix_len)
     phases = profile_batch(c, decode_steps=a.steps, top=a.top, mixed_len=a.mixed_len,
                            by_grid=a.by_grid)
     if a.out:

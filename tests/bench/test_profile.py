@@ -68,6 +68,23 @@ def test_profile_mixed_phase_prefills_one_prompt_beside_the_decodes():
     assert mixed.groups["matmul"] > 0
 
 
+def test_profile_follow_up_turn_hits_the_prefix_cache():
+    """--cached-prefix-len: the profiled prefill is the suffix after a cached history; the note
+    says what the cache served (the whole history, in chunk-aligned blocks)."""
+    logs = []
+    pre, _ = profile_batch(OneBatchConfig(preset="tiny", batch_sizes=[2], input_lens=[8],
+                                          dtype="float32", cached_prefix_len=32),
+                           decode_steps=2, top=3, log=logs.append)
+    assert pre.steps == 1
+    assert any("after a 32-token history: the prefix cache served 32..32 tokens" in note
+               for note in pre.notes)
+    # the suffix's matmul work: its own tokens only (the history is not recounted)
+    solo, _ = profile_batch(OneBatchConfig(preset="tiny", batch_sizes=[2], input_lens=[8],
+                                           dtype="float32"), decode_steps=2, top=3,
+                            log=lambda *_: None)
+    assert pre.matmul_flops == solo.matmul_flops
+
+
 def test_profile_cli_writes_json_and_rejects_bad_input(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["bench", "profile", "--preset", "tiny", "--dtype", "float32", "--batch-size",
