@@ -201,6 +201,16 @@ def test_one_batch_cli(tmp_path, capsys):
                  "--batch-size", "two"]) == 2
 
 
+def test_one_batch_plain_prompts_are_fresh_with_the_prefix_cache_on():
+    """With prefix caching on, each shape's prompts are its own: a longer prompt does not begin
+    with a shorter one measured before it (that would time a cache hit, not a fresh prompt)."""
+    rs = run_one_batch(OneBatchConfig(preset="tiny", batch_sizes=[1, 2], input_lens=[32, 64],
+                                      output_len=2, dtype="float32",
+                                      engine={"enable_prefix_caching": True}),
+                       log=lambda *_: None)
+    assert [r.cached_tokens for r in rs] == [[0], [0, 0], [0], [0, 0]]
+
+
 def test_one_batch_cached_prefix_times_the_suffix_of_a_cache_hit():
     """--cached-prefix-len P: each timed prompt starts with P tokens an untimed earlier request
     put into the prefix cache; the cache serves all P of them (P is a snapshot-block multiple)."""
