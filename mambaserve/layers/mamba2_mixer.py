@@ -35,7 +35,6 @@ from mambaserve.ops.gated_rmsnorm import (
 from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 from mambaserve.ops.state_snapshot import (
-    save_decode_snapshots,
     save_prefill_conv_snapshots,
     save_prefill_ssm_snapshots,
 )
@@ -198,17 +197,17 @@ class Mamba2Mixer(nn.Module):
                                            pf.snap_dst)
         if meta.num_decodes:
             slots = meta.decode_state_slots
+            # prefix caching: the rows' new states also go to their snapshot slots, written by
+            # the conv step and the state update themselves (no launch of their own)
+            snap = meta.decode_snap_dst if meta.num_decode_snapshots else None
             xBC_d = causal_conv1d_update(xBC[Tp:], self.conv_weight, self.conv_bias, conv_state,
-                                         slots)
+                                         slots, snap_dst=snap)
             y_d = selective_state_update(ssm_state, *self._heads(xBC_d, dt[Tp:], A), self.D,
-                                         self.dt_bias, self.decode_dt_limit, slots)
+                                         self.dt_bias, self.decode_dt_limit, slots, snap)
             if pf is not None:
                 y[Tp:] = y_d
             else:  # decode-only batch: no copy
                 y = y_d
-            if meta.num_decode_snapshots:
-                save_decode_snapshots(conv_state, ssm_state, meta.decode_state_slots,
-                                      meta.decode_snap_dst)
 
         if into is not None:
             return self._gated_norm(y.reshape(T, self.d_inner), z, into)

@@ -87,25 +87,34 @@ def causal_conv1d_update(
     conv_state: torch.Tensor,
     state_slots: torch.Tensor,
     activation: bool = True,
+    snap_dst: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step per row; shifts the row's window in `conv_state` in place.
 
     x: [B, conv_dim]; conv_state: [num_slots + 1, K-1, conv_dim]; state_slots: [B] int32 (negative =
-    skip). Returns [B, conv_dim].
+    skip). `snap_dst` [B] (prefix caching's decode snapshots): the row's new window is also
+    written to this slot (-1: none; the reference sends those to the scratch slot). Returns
+    [B, conv_dim].
     """
     if kernel_path("causal_conv1d_update", x.device) == "triton":
         from mambaserve.ops.triton.conv1d_update import causal_conv1d_update_triton
 
-        return causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation)
-    return causal_conv1d_update_ref(x, weight, bias, conv_state, state_slots, activation)
+        return causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation,
+                                           snap_dst)
+    return causal_conv1d_update_ref(x, weight, bias, conv_state, state_slots, activation,
+                                    snap_dst)
 
 
-def causal_conv1d_update_ref(x, weight, bias, conv_state, state_slots, activation=True):
+def causal_conv1d_update_ref(x, weight, bias, conv_state, state_slots, activation=True,
+                             snap_dst=None):
     slots = safe_slots(state_slots, conv_state.shape[0])
     window = torch.cat([conv_state.index_select(0, slots).to(x.dtype), x[:, None, :]], dim=1)
     out = torch.einsum("bkd,dk->bd", window.to(weight.dtype), weight)
     if bias is not None:
         out = out + bias
     conv_state.index_copy_(0, slots, window[:, 1:].to(conv_state.dtype))
+    if snap_dst is not None:
+        conv_state.index_copy_(0, safe_slots(snap_dst, conv_state.shape[0]),
+                               window[:, 1:].to(conv_state.dtype))
     out = F.silu(out) if activation else out
     return out.to(x.dtype)

@@ -17,9 +17,11 @@ require_interpreter(_conv_update_kernel)
 
 
 def _check(Bt, Dm, K, dtype, bias=True, activation=True, skip_rows=(), strided=False, seed=0,
-           tol=None, **kw):
+           tol=None, snap=False, **kw):
+    """snap: every other row also writes its new window to a snapshot slot of its own (the
+    others -1), as prefix caching's decode snapshots do."""
     gen = torch.Generator().manual_seed(seed)
-    num_slots = Bt + 2
+    num_slots = 2 * Bt + 2
     state = torch.randn(num_slots + 1, K - 1, Dm, generator=gen).to(DEV, dtype)
     if strided:
         x = torch.randn(Bt, Dm + 40, generator=gen).to(DEV, dtype)[:, 13: 13 + Dm]
@@ -31,10 +33,15 @@ def _check(Bt, Dm, K, dtype, bias=True, activation=True, skip_rows=(), strided=F
     for r in skip_rows:
         slots[r] = -1
     slots = slots.to(DEV)
+    dst = None
+    if snap:  # slots no row lives in
+        free = [s for s in range(num_slots) if s not in set(slots.tolist())]
+        dst = torch.tensor([free[r] if r % 2 == 0 and r not in skip_rows else -1
+                            for r in range(Bt)], device=DEV)
     st_ref, st = state.clone(), state.clone()
-    out_ref = causal_conv1d_update_ref(x, w, b, st_ref, slots, activation)
+    out_ref = causal_conv1d_update_ref(x, w, b, st_ref, slots, activation, dst)
     with tuning.override("conv1d_update", **kw):
-        out = causal_conv1d_update_triton(x, w, b, st, slots, activation)
+        out = causal_conv1d_update_triton(x, w, b, st, slots, activation, dst)
     valid = slots >= 0
     tol = tol or (1e-5 if dtype == torch.float32 else 5e-3)
     assert out.dtype == x.dtype and not torch.isnan(out).any()
@@ -58,6 +65,14 @@ def test_conv_update_fp32(K):
 def test_conv_update_nobias_noact_strided():
     _check(3, 96, 4, torch.float32, bias=False, activation=False, strided=True, skip_rows=(0,),
            block_d=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_conv_update_writes_decode_snapshots(dtype):
+    """snap_dst: a row's shifted window lands in its snapshot slot too (bit for bit the live
+    one), rows without one (and skipped rows) write nowhere else; other slots untouched."""
+    _check(5, 200, 4, dtype, skip_rows=(2,), snap=True, block_d=64)
+    _check(1, 96, 2, dtype, snap=True)
 
 
 def test_conv_update_fp16():

@@ -50,10 +50,15 @@ CASES = {
                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_A=1024,
                                         NUM_STAGES=3, FOLD=1, PROMOTE_K=0), True),
     "conv1d_update": (_conv_update_kernel, dict(K=4, HAS_BIAS=True, SILU=True, BLOCK_D=256,
-                                                     SHARED_LANES=False),
+                                                     SHARED_LANES=False, SNAP=False),
                       False),
-    "selective_state_update": (_ssu_kernel, dict(BLOCK_P=16, BLOCK_N=128, SHARED_LANES=False),
-                               False),
+    "conv1d_update_snap": (_conv_update_kernel, dict(K=4, HAS_BIAS=True, SILU=True,
+                                                     BLOCK_D=256, SHARED_LANES=False, SNAP=True),
+                           False),
+    "selective_state_update": (_ssu_kernel, dict(BLOCK_P=16, BLOCK_N=128, SHARED_LANES=False,
+                                                 SNAP=False), False),
+    "selective_state_update_snap": (_ssu_kernel, dict(BLOCK_P=16, BLOCK_N=128,
+                                                      SHARED_LANES=False, SNAP=True), False),
     "rms_norm": (_rms_norm_kernel, dict(HAS_RESIDUAL=True, ADD_NATIVE=False, QUANT=False,
                                         HW_FP8=True, BLOCK_D=1024), False),
 }
@@ -83,8 +88,9 @@ def before_the_wait():
     return report
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv", "conv1d_update",
-                                    "selective_state_update", "rms_norm"])
+@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv", "conv1d_update", "conv1d_update_snap",
+                                    "selective_state_update", "selective_state_update_snap",
+                                    "rms_norm"])
 def test_no_memory_is_touched_before_the_wait(before_the_wait, kernel):
     assert before_the_wait[kernel] == {"loads": 0, "stores": 0, "atomics": 0,
                                               "prefetches": 0}

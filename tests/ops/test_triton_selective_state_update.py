@@ -46,16 +46,23 @@ def _inputs(Bt, H, P, N, G, num_slots, dtype, state_dtype, gen, skip_rows=(), st
 
 
 def _check(Bt, H, P, N, G, dtype, state_dtype, dt_limit, skip_rows=(), strided=False, seed=0,
-           tol=None, **kw):
+           tol=None, snap=False, **kw):
+    """snap: every other row also writes its new state to a snapshot slot of its own (the others
+    -1), as prefix caching's decode snapshots do."""
     gen = torch.Generator().manual_seed(seed)
-    num_slots = Bt + 3
+    num_slots = 2 * Bt + 3
     st, x, dt, A, B, C, D, dtb, slots = _inputs(Bt, H, P, N, G, num_slots, dtype, state_dtype, gen,
                                                  skip_rows, strided)
+    dst = None
+    if snap:  # slots no row lives in
+        free = [s for s in range(num_slots) if s not in set(slots.tolist())]
+        dst = torch.tensor([free[r] if r % 2 == 0 and r not in skip_rows else -1
+                            for r in range(Bt)], device=DEV)
     st_ref = st.clone()
-    y_ref = selective_state_update_ref(st_ref, x, dt, A, B, C, D, dtb, dt_limit, slots)
+    y_ref = selective_state_update_ref(st_ref, x, dt, A, B, C, D, dtb, dt_limit, slots, dst)
     st_tri = st.clone()
     with tuning.override("selective_state_update", **kw):
-        y = selective_state_update_triton(st_tri, x, dt, A, B, C, D, dtb, dt_limit, slots)
+        y = selective_state_update_triton(st_tri, x, dt, A, B, C, D, dtb, dt_limit, slots, dst)
     assert y.dtype == x.dtype and y.shape == x.shape
     valid = slots >= 0
     tol = tol or (1e-5 if dtype == torch.float32 else 2e-3)
@@ -70,6 +77,21 @@ def _check(Bt, H, P, N, G, dtype, state_dtype, dt_limit, skip_rows=(), strided=F
 def test_ssu_fp32(H, P, N, G):
     _check(5, H, P, N, G, torch.float32, torch.float32, (0.0, float("inf")), skip_rows=(1,),
            seed=H * 100 + P)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+def test_ssu_writes_decode_snapshots(state_dtype):
+    """snap_dst: a row's new state lands in its snapshot slot too (what the live slot gets),
+    rows without one (and skipped rows) write nowhere else; other slots untouched."""
+    _check(5, 4, 24, 16, 2, torch.float32, state_dtype, (0.0, float("inf")), skip_rows=(2,),
+           snap=True, block_p=16, tol=1e-3 if state_dtype == torch.float16 else None)
+    st_dst = None  # one row, the snapshot's bytes equal the live slot's exactly
+    gen = torch.Generator().manual_seed(3)
+    st, x, dt, A, B, C, D, dtb, slots = _inputs(1, 2, 8, 16, 1, 4, torch.float32, state_dtype,
+                                                 gen)
+    st_dst = torch.tensor([(int(slots[0]) + 1) % 4], device=DEV)
+    selective_state_update_triton(st, x, dt, A, B, C, D, dtb, (0.0, float("inf")), slots, st_dst)
+    assert torch.equal(st[int(st_dst[0])], st[int(slots[0])])
 
 
 def test_ssu_block_p_remainder_and_strided():

@@ -47,11 +47,11 @@ def report(kern, const, num_warps):
 out = {}
 for shared in (True, False):
     out[f"ssu_{shared}"] = report(_ssu_kernel, dict(BLOCK_P=1, BLOCK_N=16, SHARED_LANES=shared,
-                                                    PDL=0), 2)
+                                                    SNAP=False, PDL=0), 2)
 for shared in (True, False):
     out[f"conv_{shared}"] = report(_conv_update_kernel, dict(K=4, HAS_BIAS=False, SILU=True,
                                                              BLOCK_D=32, SHARED_LANES=shared,
-                                                             PDL=0), 4)
+                                                             SNAP=False, PDL=0), 4)
 print(json.dumps(out))
 '''
 

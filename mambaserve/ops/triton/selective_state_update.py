@@ -4,7 +4,9 @@ Grid: (rows, heads, cdiv(head_dim, BLOCK_P)). Each program owns a [BLOCK_P, N] t
 state: it reads the tile once from `ssm_state[slot]` (any float dtype, math in float32), updates
 it, writes it back, and reduces it against C for y. B/C of head h come from group h // (H / G).
 A negative slot skips the row: nothing is read from or written to the pool and y is zero.
-Launch parameters: `tuning` entry "selective_state_update".
+With `snap_dst` (prefix caching: a destination slot per row, -1 for none) the updated tile is
+also stored into the row's destination slot in the same pass (a reserved snapshot slot, never a
+live row's). Launch parameters: `tuning` entry "selective_state_update".
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mambaserve.ops.triton._common import await_previous, pdl_launch, softplus_c
 
 @triton.jit
 def _ssu_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, snap_ptr, y_ptr,
     dt_lo, dt_hi, P, N, heads_per_group,
     s_slot, s_h, s_p, s_n,
     x_b, x_h, x_p,
@@ -28,7 +30,7 @@ def _ssu_kernel(
     C_b, C_g, C_n,
     y_b, y_h, y_p,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SHARED_LANES: tl.constexpr,
-    PDL: tl.constexpr,
+    SNAP: tl.constexpr, PDL: tl.constexpr,
 ):
     await_previous(PDL)
     row = tl.program_id(0)
@@ -56,6 +58,10 @@ def _ssu_kernel(
     if SHARED_LANES:  # a tile smaller than the program: its values are held (and loaded) by
         tl.debug_barrier()  # several warps, stored by one; every load before the first store
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=m2)
+    if SNAP:  # the new state into the row's snapshot slot too
+        dst = tl.load(snap_ptr + row).to(tl.int64)
+        tl.store(s_ptrs + (tl.maximum(dst, 0) - slot) * s_slot,
+                 state.to(state_ptr.dtype.element_ty), mask=m2 & (dst >= 0))
     y = tl.sum(state * Cv[None, :], axis=1) + Dh * x
     y = tl.where(valid, y, 0.0)
     tl.store(y_ptr + row * y_b + h * y_h + offs_p * y_p, y.to(y_ptr.dtype.element_ty),
@@ -76,7 +82,8 @@ def launch_plan(P: int, N: int, device) -> tuple[int, int]:
     return block_p, num_warps
 
 
-def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit, state_slots):
+def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limit, state_slots,
+                                  snap_dst=None):
     """Same contract as `mambaserve.ops.selective_state_update.selective_state_update`."""
     Bt, H, P = x.shape
     _, H2, P2, N = ssm_state.shape
@@ -89,6 +96,7 @@ def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limi
     assert state_slots.shape == (Bt,)
     assert A.is_contiguous() and D.is_contiguous() and dt_bias.is_contiguous()
     assert state_slots.is_contiguous()
+    assert snap_dst is None or (snap_dst.shape == (Bt,) and snap_dst.is_contiguous())
     y = torch.empty((Bt, H, P), dtype=x.dtype, device=x.device)
     if Bt == 0:
         return y
@@ -96,10 +104,12 @@ def selective_state_update_triton(ssm_state, x, dt, A, B, C, D, dt_bias, dt_limi
     block_p, num_warps = launch_plan(P, N, x.device)
     grid = (Bt, H, triton.cdiv(P, block_p))
     _ssu_kernel[grid](
-        ssm_state, x, dt, A, B, C, D, dt_bias, state_slots, y,
+        ssm_state, x, dt, A, B, C, D, dt_bias, state_slots,
+        snap_dst if snap_dst is not None else state_slots, y,
         float(dt_limit[0]), float(dt_limit[1]), P, N, H // G,
         *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
         BLOCK_P=block_p, BLOCK_N=BLOCK_N, SHARED_LANES=block_p * BLOCK_N < 32 * num_warps,
+        SNAP=snap_dst is not None,
         num_warps=num_warps, **pdl_launch(x.device, _ssu_kernel),
     )
     return y
