@@ -80,6 +80,9 @@ def _act_gemv_ok(x: torch.Tensor, act: str, weight: torch.Tensor) -> bool:
     return _gemv_ok(x[..., :k], weight)
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class Condition:
     """What an op's kernel needs of its inputs beyond a CUDA device: `check` is called with the
@@ -143,6 +146,12 @@ CONDITIONS: dict[str, Condition | None] = {
         lambda ssm_state, chunk_end_states: ssm_state[0].is_contiguous()
         and chunk_end_states.shape[0] > 0 and chunk_end_states[0].is_contiguous(),
         "pools whose slots are not contiguous"),
+    # the kernel gathers from the extended stream itself and casts as the reference does; it
+    # reads any strides and is checked bit for bit in these dtypes
+    "save_prefill_conv_snapshots": Condition(
+        ("x", "conv_state"),
+        lambda x, conv_state: x.dtype in _FLOATS and conv_state.dtype in _FLOATS,
+        "inputs or pools other than float32 / float16 / bfloat16"),
 }
 
 

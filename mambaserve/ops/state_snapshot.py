@@ -18,7 +18,26 @@ from mambaserve.ops.dispatch import kernel_path
 def save_prefill_conv_snapshots(x: torch.Tensor, conv_state: torch.Tensor,
                                 state_slots: torch.Tensor, has_initial_state: torch.Tensor,
                                 snap_conv_idx: torch.Tensor, snap_dst: torch.Tensor) -> None:
-    """x: [Tp, conv_dim] xBC of the prefill rows; snap_conv_idx: [S, K-1]; snap_dst: [S]."""
+    """x: [Tp, conv_dim] xBC of the prefill rows; snap_conv_idx: [S, K-1]; snap_dst: [S]. On
+    CUDA with Triton one launch gathers each snapshot's window itself and only entries with a
+    destination (>= 0) move bytes; the reference builds the whole extended stream and sends the
+    others to the scratch slot."""
+    if kernel_path("save_prefill_conv_snapshots", conv_state.device, x=x,
+                   conv_state=conv_state) == "triton":
+        from mambaserve.ops.triton.conv_snapshot import save_prefill_conv_snapshots_triton
+
+        save_prefill_conv_snapshots_triton(x, conv_state, state_slots, has_initial_state,
+                                           snap_conv_idx, snap_dst)
+        return
+    save_prefill_conv_snapshots_ref(x, conv_state, state_slots, has_initial_state,
+                                    snap_conv_idx, snap_dst)
+
+
+def save_prefill_conv_snapshots_ref(x: torch.Tensor, conv_state: torch.Tensor,
+                                    state_slots: torch.Tensor, has_initial_state: torch.Tensor,
+                                    snap_conv_idx: torch.Tensor, snap_dst: torch.Tensor) -> None:
+    """Reference of `save_prefill_conv_snapshots`: the extended stream gathered, every entry
+    copied, -1 to the scratch slot."""
     ext = extended_stream(x, conv_state, state_slots, has_initial_state)
     dst = safe_slots(snap_dst, conv_state.shape[0])
     conv_state.index_copy_(0, dst, ext[snap_conv_idx].to(conv_state.dtype))

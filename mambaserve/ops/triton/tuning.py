@@ -74,6 +74,8 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "rotary": MappingProxyType({"block_h": None}),
     # decode snapshot copy: elements of a slot per program
     "state_copy": MappingProxyType({"block": 4096, "num_warps": 4}),
+    # prefill conv snapshots: channels of one snapshot entry per program; not swept
+    "conv_snapshot": MappingProxyType({"block_d": 256, "num_warps": 4}),
     # sparse MoE experts: block_m rows of one expert per block (None = 16 / 32 / 64 / 128 from
     # the mean pairs per expert); column tiles and K steps of the in (x w_in^T, activation) and
     # out (inter w_out^T, weight) GEMMs
