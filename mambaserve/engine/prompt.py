@@ -50,7 +50,11 @@ def validate_prompt_ids(ids: Sequence, vocab_size: int, max_model_len: int) -> N
         raise PromptError(f"prompt has {len(ids)} tokens; the model's limit (maximum context "
                           f"length) is {max_model_len} tokens including at least one output "
                           f"token", "context_length_exceeded")
-    for t in ids:
+    # the common case at C speed (a multi-turn history is thousands of ids, checked on every
+    # turn before its first token): only ints, within the vocabulary
+    if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size:
+        return
+    for t in ids:  # name the first bad id
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise PromptError(f"prompt token id {t!r} is outside the vocabulary "
                               f"[0, {vocab_size})")

@@ -47,6 +47,11 @@ def test_bad_prompt_shapes(prompt, tokenizer, match):
     ([-1], "invalid_value", "prompt token id -1 is outside the vocabulary [0, 10)"),
     ([2.0], "invalid_value", "prompt token id 2.0 is outside the vocabulary [0, 10)"),
     ([True], "invalid_value", "prompt token id True is outside the vocabulary [0, 10)"),
+    # the first bad id of a long prompt, whatever kind (the all-int fast path must not pass it)
+    ([3] * 5 + [7.0, 12], "invalid_value", "prompt token id 7.0 is outside the vocabulary "
+     "[0, 10)"),
+    ([3] * 5 + [False], "invalid_value", "prompt token id False is outside the vocabulary "
+     "[0, 10)"),
 ])
 def test_one_message_and_code_per_problem(ids, code, message):
     with pytest.raises(PromptError) as e:
