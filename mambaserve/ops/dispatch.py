@@ -136,11 +136,6 @@ CONDITIONS: dict[str, Condition | None] = {
                           "< 8.9, non-bfloat16 activations and more rows than tuning "
                           "fp8_gemv.max_m"),
     # the copy kernel moves each slot as one flat run of elements
-    "save_decode_snapshots": Condition(
-        ("conv_state", "ssm_state"),
-        lambda conv_state, ssm_state: conv_state[0].is_contiguous()
-        and ssm_state[0].is_contiguous(),
-        "pools whose slots are not contiguous"),
     "save_prefill_ssm_snapshots": Condition(
         ("ssm_state", "chunk_end_states"),
         lambda ssm_state, chunk_end_states: ssm_state[0].is_contiguous()

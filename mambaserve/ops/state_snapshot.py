@@ -4,7 +4,8 @@ reserved. Fixed shapes only: destination -1 goes to the scratch slot (a CUDA-gra
 Prefill: the SSM state at a snapshot position is the end state of the chunk that ends there
 (`chunk_end_states` of the scan); the conv state is the K-1 xBC inputs before that position,
 gathered from the extended stream BEFORE the conv op overwrites the row's window.
-Decode: the row's state after its token, copied from its live slot.
+Decode: the row's state after its token, written by the conv step and the state update
+themselves (their `snap_dst`: ops/conv1d.py, ops/selective_state_update.py).
 """
 
 from __future__ import annotations
@@ -63,34 +64,6 @@ def save_prefill_ssm_snapshots_ref(ssm_state: torch.Tensor, chunk_end_states: to
     dst = safe_slots(snap_dst, ssm_state.shape[0])
     ssm_state.index_copy_(0, dst, chunk_end_states.index_select(0, snap_chunk)
                           .to(ssm_state.dtype))
-
-
-def save_decode_snapshots(conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                          state_slots: torch.Tensor, snap_dst: torch.Tensor) -> None:
-    """Copy each decode row's state (after this step) to snap_dst[row] (-1: none).
-
-    On CUDA with Triton (pools whose slots are contiguous) only rows with a destination move
-    bytes and the scratch slot is left alone; the reference below routes rows without one to the
-    scratch slot, which is fine for its fixed shapes but moves every row's state.
-    """
-    if kernel_path("save_decode_snapshots", conv_state.device, conv_state=conv_state,
-                   ssm_state=ssm_state) == "triton":
-        from mambaserve.ops.triton.state_copy import copy_state_slots_triton
-
-        copy_state_slots_triton(conv_state, state_slots, snap_dst)
-        copy_state_slots_triton(ssm_state, state_slots, snap_dst)
-        return
-    save_decode_snapshots_ref(conv_state, ssm_state, state_slots, snap_dst)
-
-
-def save_decode_snapshots_ref(conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                              state_slots: torch.Tensor, snap_dst: torch.Tensor) -> None:
-    """Reference of `save_decode_snapshots`: gather every row, scatter to the destination or the
-    scratch slot (-1)."""
-    src = safe_slots(state_slots, conv_state.shape[0])
-    dst = safe_slots(snap_dst, conv_state.shape[0])
-    conv_state.index_copy_(0, dst, conv_state.index_select(0, src))
-    ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
 
 
 def restore_snapshots(conv_state: torch.Tensor, ssm_state: torch.Tensor, src: torch.Tensor,

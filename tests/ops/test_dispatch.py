@@ -82,11 +82,7 @@ def test_conditions_on_a_cuda_device():
     for K in range(1, 8):
         want = "triton" if 2 <= K <= 5 else "reference"
         assert kernel_path("causal_conv1d_varlen", "cuda", weight=torch.zeros(8, K)) == want
-    conv, ssm = torch.zeros(3, 2, 8), torch.zeros(3, 2, 4, 5)
-    assert kernel_path("save_decode_snapshots", "cuda", conv_state=conv, ssm_state=ssm) == "triton"
-    strided = torch.zeros(3, 8, 2).transpose(1, 2)  # slots not contiguous
-    assert kernel_path("save_decode_snapshots", "cuda", conv_state=strided,
-                       ssm_state=ssm) == "reference"
+    ssm = torch.zeros(3, 2, 4, 5)
     ends = torch.zeros(4, 2, 4, 5)
     assert kernel_path("save_prefill_ssm_snapshots", "cuda", ssm_state=ssm,
                        chunk_end_states=ends) == "triton"
@@ -202,13 +198,21 @@ def test_decode_ops_through_the_kernels(as_if_cuda):
     torch.testing.assert_close(out[slots >= 0], out_ref[slots >= 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(conv[:-1], c_ref[:-1])
 
+    # prefix caching's decode snapshots, written by the same two ops
     dst = torch.tensor([3, -1, -1])
     c_ref, s_ref = conv.clone(), ssm.clone()
-    state_snapshot.save_decode_snapshots(conv, ssm, slots, dst)
-    state_snapshot.save_decode_snapshots_ref(c_ref, s_ref, slots, dst)
-    assert torch.equal(conv[:-1], c_ref[:-1]) and torch.equal(ssm[:-1], s_ref[:-1])
+    conv1d.causal_conv1d_update(xc, w, b, conv, slots, snap_dst=dst)
+    conv1d.causal_conv1d_update_ref(xc, w, b, c_ref, slots, snap_dst=dst)
+    selective_state_update.selective_state_update(ssm, x, dt, A, B, C, D, dtb,
+                                                  (0.0, float("inf")), slots, dst)
+    selective_state_update.selective_state_update_ref(s_ref, x, dt, A, B, C, D, dtb,
+                                                      (0.0, float("inf")), slots, dst)
+    torch.testing.assert_close(conv[:-1], c_ref[:-1])
+    torch.testing.assert_close(ssm[:-1], s_ref[:-1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ssm[3], ssm[2]) and torch.equal(conv[3], conv[2])  # slot 2's snapshot
     assert [op for op, path in as_if_cuda if path == "triton"] == [
-        "selective_state_update", "causal_conv1d_update", "save_decode_snapshots"]
+        "selective_state_update", "causal_conv1d_update", "causal_conv1d_update",
+        "selective_state_update"]
 
 
 def _prefill_meta(rows, chunk_size, K, page_size=1 << 20, decodes=()):

@@ -1,7 +1,7 @@
-"""Triton state-slot copy for decode and prefill snapshots vs. the reference (CPU interpreter
-without CUDA; compiled with it): destinations get the rows' states bit for bit (cast to the
-pool's dtype), rows without a destination (and padding rows with slot -1) touch nothing, not even
-the scratch slot."""
+"""Triton row copy for prefill SSM snapshots vs. the reference (CPU interpreter without CUDA;
+compiled with it): destinations get the rows' states bit for bit (cast to the pool's dtype),
+entries without a destination (and padding with source -1) touch nothing, not even the scratch
+slot. (Decode snapshots are written by the conv step and the state update: their tests.)"""
 
 from __future__ import annotations
 
@@ -12,28 +12,16 @@ from triton_env import DEV, require_interpreter  # before anything imports trito
 from mambaserve.ops import state_snapshot
 from mambaserve.ops.dispatch import kernel_path
 from mambaserve.ops.state_snapshot import (
-    save_decode_snapshots,
-    save_decode_snapshots_ref,
     save_prefill_ssm_snapshots,
     save_prefill_ssm_snapshots_ref,
 )
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton.state_copy import (
-    _copy_rows_kernel,
-    copy_rows_triton,
-    copy_state_slots_triton,
-)
+from mambaserve.ops.triton.state_copy import _copy_rows_kernel, copy_rows_triton
 
 require_interpreter(_copy_rows_kernel)
 
-SRC = [3, 0, 5, -1, 2, 1]  # decode rows' live slots; -1 = a padded graph row
-DST = [7, -1, 6, -1, -1, 8]  # snapshot destinations; -1 = none
-
-
-def _pools(num_slots, conv_shape, ssm_shape, conv_dtype, gen):
-    conv = torch.randn(num_slots + 1, *conv_shape, generator=gen).to(DEV, conv_dtype)
-    ssm = torch.randn(num_slots + 1, *ssm_shape, generator=gen).to(DEV)
-    return conv, ssm
+SRC = [3, 0, 5, -1, 2, 1]  # source rows; -1 = padding
+DST = [7, -1, 6, -1, -1, 8]  # destination slots; -1 = none
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16]
@@ -46,32 +34,12 @@ def test_copy_slots_matches_reference_on_real_slots(dtype, block):
     dst = torch.tensor(DST, dtype=torch.int64, device=DEV)
     before = pool.clone()
     with tuning.override("state_copy", block=block, num_warps=2):
-        copy_state_slots_triton(pool, src, dst)
+        copy_rows_triton(pool, src, pool, dst)
     expect = before.clone()
     for s, d in zip(SRC, DST):
         if s >= 0 and d >= 0:
             expect[d] = before[s]
     assert torch.equal(pool, expect)  # every other slot, scratch included, untouched
-
-
-def test_decode_snapshots_through_the_public_op():
-    gen = torch.Generator().manual_seed(1)
-    conv, ssm = _pools(9, (24, 3), (2, 4, 5), torch.float32, gen)
-    # a pool whose slot stride is not the slot size (a view into a larger buffer)
-    conv = torch.cat([conv, torch.zeros_like(conv)], dim=1)[:, :24]
-    assert not conv.is_contiguous() and conv[0].is_contiguous()
-    src = torch.tensor(SRC, dtype=torch.int32, device=DEV)
-    dst = torch.tensor(DST, dtype=torch.int64, device=DEV)
-    conv_ref, ssm_ref = conv.clone(), ssm.clone()
-    save_decode_snapshots_ref(conv_ref, ssm_ref, src, dst)
-    if DEV == "cuda":
-        save_decode_snapshots(conv, ssm, src, dst)  # dispatches to the kernel
-    else:
-        copy_state_slots_triton(conv, src, dst)
-        copy_state_slots_triton(ssm, src, dst)
-    # the reference wrote rows without a destination into the scratch slot (the last); the
-    # kernel leaves it alone
-    assert torch.equal(conv[:-1], conv_ref[:-1]) and torch.equal(ssm[:-1], ssm_ref[:-1])
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
@@ -117,33 +85,20 @@ def test_prefill_snapshots_through_the_public_op(monkeypatch):
 
 def test_public_op_on_cpu_is_the_reference():
     gen = torch.Generator().manual_seed(2)
-    conv, ssm = torch.randn(6, 8, 3, generator=gen), torch.randn(6, 2, 3, 4, generator=gen)
-    src, dst = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([4, -1])
-    a, b = conv.clone(), ssm.clone()
-    save_decode_snapshots(conv, ssm, src, dst)
-    save_decode_snapshots_ref(a, b, src, dst)
-    assert torch.equal(conv, a) and torch.equal(ssm, b)
+    states, pool = torch.randn(3, 2, 3, 4, generator=gen), torch.randn(6, 2, 3, 4, generator=gen)
+    chunk, dst = torch.tensor([2, 0]), torch.tensor([4, -1])
+    ref = pool.clone()
+    save_prefill_ssm_snapshots(pool, states, chunk, dst)
+    save_prefill_ssm_snapshots_ref(ref, states, chunk, dst)
+    assert torch.equal(pool, ref) and torch.equal(pool[4], states[2])
 
 
 def test_bad_pool_and_block_rejected():
     pool = torch.zeros(4, 3, 5, device=DEV)[:, :, :2]  # slots not contiguous
     idx = torch.zeros(1, dtype=torch.int64, device=DEV)
     with pytest.raises(AssertionError, match="contiguous"):
-        copy_state_slots_triton(pool, idx, idx)
+        copy_rows_triton(pool, idx, pool, idx)
     with pytest.raises(AssertionError, match="power of two"):
         with tuning.override("state_copy", block=48):
-            copy_state_slots_triton(torch.zeros(4, 8, device=DEV), idx, idx)
-
-
-@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
-def test_decode_snapshots_at_the_9b_shapes_on_gpu():
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    ssm = torch.randn(65, 128, 80, 128, device="cuda", generator=gen)
-    conv = torch.randn(65, 12288, 3, device="cuda", generator=gen).to(torch.bfloat16)
-    src = torch.arange(32, dtype=torch.int32, device="cuda")
-    dst = torch.full((32,), -1, dtype=torch.int64, device="cuda")
-    dst[[3, 17]] = torch.tensor([40, 50], device="cuda")
-    conv_ref, ssm_ref = conv.clone(), ssm.clone()
-    save_decode_snapshots_ref(conv_ref, ssm_ref, src, dst)
-    save_decode_snapshots(conv, ssm, src, dst)
-    assert torch.equal(conv[:-1], conv_ref[:-1]) and torch.equal(ssm[:-1], ssm_ref[:-1])
+            pool = torch.zeros(4, 8, device=DEV)
+            copy_rows_triton(pool, idx, pool, idx)

@@ -1,14 +1,13 @@
-"""Triton copy of state-pool slots for the prefix cache's snapshots (decode rows' states, prefill
-chunk end states): only the rows that have a destination move any bytes.
+"""Triton copy of rows between tensors for the prefix cache's prefill snapshots (a scan's chunk
+end states into state-pool slots): only the rows that have a destination move any bytes.
 
-The reference (`mambaserve.ops.state_snapshot.save_decode_snapshots`) gathers every decode row's
-state and scatters it to the row's destination, sending rows without one (-1) to the scratch slot.
-Inside a CUDA graph the shapes are fixed (one destination per decode row, nearly all -1, since a
-row snapshots once per snapshot interval), so that path moves every row's whole state per layer
-and step: at the Nemotron-Nano-9B-v2 shapes 5.2 MB of fp32 SSM state per row, read and written
-twice. Here a program whose row has no destination returns after two index loads. The same holds
-for a prefill CUDA graph's fixed count of prefill snapshots (engine/prefill_graph.py), copied
-from the scan's chunk end states. Launch parameters: `tuning` entry "state_copy".
+The reference (`mambaserve.ops.state_snapshot.save_prefill_ssm_snapshots_ref`) copies every
+entry, sending those without a destination (-1) to the scratch slot. Inside a prefill CUDA graph
+the count of snapshot entries is fixed (engine/prefill_graph.py) and nearly all are padding, so
+that path would move a whole fp32 state per entry and layer (5.2 MB at the Nemotron-Nano-9B-v2
+shapes). Here a program whose row has no destination returns after two index loads. (Decode
+rows' snapshots need no copy: the conv step and the state update write them.) Launch
+parameters: `tuning` entry "state_copy".
 """
 
 from __future__ import annotations
@@ -54,14 +53,3 @@ def copy_rows_triton(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor
         src, dst, src_idx, dst_idx, row_numel, src.stride(0), dst.stride(0), BLOCK=block,
         num_warps=num_warps,
     )
-
-
-def copy_state_slots_triton(pool: torch.Tensor, src_slots: torch.Tensor,
-                            dst_slots: torch.Tensor) -> None:
-    """pool[dst_slots[r]] = pool[src_slots[r]] for every r with both slots >= 0, in place.
-
-    pool: [num_slots, ...], each slot contiguous (any slot stride); src_slots, dst_slots: [R]
-    integer tensors on pool's device. No destination may be another row's source (snapshot slots
-    are reserved, never live), since rows are copied concurrently.
-    """
-    copy_rows_triton(pool, src_slots, pool, dst_slots)
