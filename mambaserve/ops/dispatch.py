@@ -135,6 +135,12 @@ CONDITIONS: dict[str, Condition | None] = {
                           f"{FP8_GEMV_ENV}=0, devices of compute capability "
                           "< 8.9, non-bfloat16 activations and more rows than tuning "
                           "fp8_gemv.max_m"),
+    # the copy kernel moves each (layer, slot) row of the pools as one flat run of elements
+    "restore_snapshots": Condition(
+        ("conv_state", "ssm_state"),
+        lambda conv_state, ssm_state: conv_state.is_contiguous() and ssm_state.is_contiguous()
+        and conv_state.shape[:2] == ssm_state.shape[:2],
+        "pools that are not contiguous"),
     # the copy kernel moves each slot as one flat run of elements
     "save_prefill_ssm_snapshots": Condition(
         ("ssm_state", "chunk_end_states"),

@@ -102,3 +102,30 @@ def test_bad_pool_and_block_rejected():
         with tuning.override("state_copy", block=48):
             pool = torch.zeros(4, 8, device=DEV)
             copy_rows_triton(pool, idx, pool, idx)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_restore_snapshots_through_the_kernel(monkeypatch, pool_dtype):
+    """Prefix-cache restores: every layer's snapshot slot copied into the live slot, as the
+    reference does, bit for bit; no other slot (the sources included) changes."""
+    decided = []
+
+    def decide(op, device, **inputs):
+        decided.append(kernel_path(op, "cuda", **inputs))
+        return decided[-1]
+
+    if DEV == "cpu":
+        monkeypatch.setattr(state_snapshot, "kernel_path", decide)
+    gen = torch.Generator().manual_seed(7)
+    conv = torch.randn(3, 9, 2, 11, generator=gen).to(DEV, pool_dtype)  # L=3, 8 slots + scratch
+    ssm = torch.randn(3, 9, 2, 3, 5, generator=gen).to(DEV)
+    src, dst = torch.tensor([6, 1], device=DEV), torch.tensor([0, 4], device=DEV)
+    c_ref, s_ref = conv.clone(), ssm.clone()
+    state_snapshot.restore_snapshots(conv, ssm, src, dst)
+    state_snapshot.restore_snapshots_ref(c_ref, s_ref, src, dst)
+    assert torch.equal(conv, c_ref) and torch.equal(ssm, s_ref)
+    assert torch.equal(ssm[:, 0], ssm[:, 6]) and torch.equal(conv[:, 4], conv[:, 1])
+    assert DEV == "cuda" or decided == ["triton"]
+    strided = torch.zeros(3, 9, 11, 2).transpose(2, 3)
+    assert kernel_path("restore_snapshots", "cuda", conv_state=strided,
+                       ssm_state=ssm) == "reference"
