@@ -24,6 +24,7 @@ from mambaserve.ops.triton.paged_attention import (
     _paged_attention_kernel,
     choose_num_splits,
     paged_attention_triton,
+    tiled_num_splits,
     write_kv_triton,
 )
 
@@ -176,6 +177,67 @@ def test_paged_attention_tiled_tiles(rep, block_m):
     decodes = [(c, 1) for c in (0, 3, 12, 5, 40)]
     out, ref = _run(prefills, decodes, 4, 2 * rep, 2, 16, torch.float32, seed=rep,
                     tiled=True, block_m=block_m)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("rep,block_m", [(1, 16), (3, 16), (2, 64)])
+def test_paged_attention_tiled_split_keys(rep, block_m, num_splits):
+    """The tiled kernel's key partitions (forced), merged by the combine kernel: tiles spanning
+    rows, continued rows behind long cached prefixes (a follow-up turn's suffix), rows shorter
+    than a partition (empty partitions), decode rows."""
+    prefills = [(0, 23), (61, 3), (7, 10), (30, 2)]
+    decodes = [(c, 1) for c in (0, 3, 12, 5, 40)]
+    out, ref = _run(prefills, decodes, 4, 2 * rep, 2, 16, torch.float32, seed=rep + num_splits,
+                    tiled=True, block_m=block_m, num_splits=num_splits, min_split_keys=16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_tiled_splits_by_itself_behind_a_long_prefix(monkeypatch):
+    """num_splits None: a few programs over a long cached context take key partitions
+    (tiled_num_splits) and the result is the reference's; many programs keep one pass."""
+    spy = _Spy(tpa._paged_attention_combine_kernel)
+    monkeypatch.setattr(tpa, "_paged_attention_combine_kernel", spy)
+    out, ref = _run([(200, 8)], [], 4, 8, 2, 16, torch.float32, seed=11, tiled=True,
+                    block_m=32, min_split_keys=32)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert spy.grids == [(8, 8)]  # the 8 tokens x 8 query heads merged
+    assert tiled_num_splits(2, 208, 264, 32) == 7  # cdiv(208, 32) partitions at most
+    assert tiled_num_splits(2, 131072, 264, 256) == 132  # cdiv(264, 2): the target's worth
+    assert tiled_num_splits(66, 131072, 264, 256) == 4  # a quarter of the target: still split
+    assert tiled_num_splits(67, 131072, 264, 256) == 1  # programs enough: one pass
+    assert tiled_num_splits(2, 100, 264, 256) == 1  # a short context: one partition
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_paged_attention_tiled_split_ignores_nan_past_length(num_splits):
+    """As the per-token split's NaN test, through the tiled kernel's partitions: the pool is NaN
+    except each row's written keys."""
+    page_size, H, Hkv, Dh = 4, 4, 2, 16
+    rows = [(37, 3), (0, 5), (12, 2)]  # (cached, new): prefill rows
+    g = torch.Generator().manual_seed(num_splits)
+    need = [-(-(c + n) // page_size) for c, n in rows]
+    num_pages = sum(need) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    pages, at = [], 0
+    for n in need:
+        pages.append(perm[at: at + n])
+        at += n
+    meta = _meta([_row(n, c, i, pages[i]) for i, (c, n) in enumerate(rows)], [], page_size,
+                 num_pages)
+    kv = torch.full((2, num_pages + 1, page_size, Hkv, Dh), float("nan"))
+    for (c, n), pg in zip(rows, pages):
+        for j in range(c + n):
+            kv[:, pg[j // page_size], j % page_size] = torch.randn(2, Hkv, Dh, generator=g)
+    kv = kv.to(DEV)
+    q = torch.randn(meta.num_tokens, H, Dh, generator=g).to(DEV)
+    with tuning.override("paged_attention_tiled", num_splits=num_splits, min_split_keys=8,
+                         block_m=16):
+        out = paged_attention_triton(q, kv, meta.page_table, meta.token_row, meta.positions,
+                                     meta.max_kv_len, 0.25, tiled=True)
+    assert torch.isfinite(out).all()
+    ref = paged_attention_ref(q, kv.nan_to_num(0.0), meta.page_table, meta.token_row,
+                              meta.positions, meta.max_kv_len, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

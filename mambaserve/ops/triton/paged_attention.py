@@ -188,15 +188,25 @@ def _paged_attention_combine_kernel(
              mask=md)
 
 
-@triton.jit(do_not_specialize=["T", "TPB", "pt_r"])
+@triton.jit(do_not_specialize=["T", "TPB", "pt_r", "NS", "min_split", "ml_0", "ml_t", "ml_h",
+                               "a_t", "a_h"])
 def _paged_attention_tiled_kernel(
     q_ptr, kv_ptr, pt_ptr, row_ptr, pos_ptr, out_ptr, scale, page_size, Dh, REP, T, TPB,
     q_t, q_h, q_d, c_kv, c_p, c_s, c_h, c_d, pt_r, pt_p, o_t, o_h, o_d,
+    ml_ptr, acc_ptr, NS, min_split, ml_0, ml_t, ml_h, ml_s, a_t, a_h, a_s, a_d,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IP: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """TPB consecutive tokens x the REP query heads of one KV head, flattened into BLOCK_M query
     rows (row m = token m // REP, head m % REP). The tile may span several batch rows: it makes
-    one pass over the keys of each batch row present, updating only that row's queries."""
+    one pass over the keys of each batch row present, updating only that row's queries.
+
+    SPLIT=True: grid (token blocks, H_kv, NS); for each batch row of n = (its last token's
+    position + 1) keys, partition s covers keys [s*S, min((s+1)*S, n)) with
+    S = max(round_up(cdiv(n, NS), BLOCK_N), min_split), and the program writes each query row's
+    max, sum and unnormalized accumulator for `_paged_attention_combine_kernel` (as the
+    per-token kernel's split does; a query row with no visible key in the partition writes
+    m = -inf, l = 0, acc = 0)."""
     g = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -218,20 +228,28 @@ def _paged_attention_tiled_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     head_off = g * c_h
+    sp = tl.program_id(2).to(tl.int64)
     for rr in range(r_lo, r_hi + 1):
         in_row = act & (rows == rr)
         end = tl.max(tl.where(in_row, pos, -1), axis=0) + 1
+        if SPLIT:
+            S = tl.maximum((tl.cdiv(end, NS) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_split)
+            lo = sp * S
+            hi = tl.minimum(lo + S, end)
+        else:
+            lo = 0
+            hi = end
         pt_row = pt_ptr + rr * pt_r
-        for start in range(0, end, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             j = start + offs_n
-            mj = j < end
+            mj = j < hi
             page = tl.load(pt_row + (j // page_size) * pt_p, mask=mj, other=0).to(tl.int64)
             base = page * c_p + (j % page_size) * c_s + head_off
             mk = mj[:, None] & md[None, :]
             kp = kv_ptr + base[:, None] + offs_d[None, :] * c_d
             k = tl.load(kp, mask=mk, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=IP) * scale
-            vis = in_row[:, None] & (j[None, :] <= pos[:, None])
+            vis = in_row[:, None] & (j[None, :] <= pos[:, None]) & mj[None, :]
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows not seen yet
@@ -241,9 +259,16 @@ def _paged_attention_tiled_kernel(
             v = tl.load(kp + c_kv, mask=mk, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IP)
             m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * o_t + heads[:, None] * o_h + offs_d[None, :] * o_d,
-             out.to(out_ptr.dtype.element_ty), mask=mq)
+    if SPLIT:
+        ml = ml_ptr + tok * ml_t + heads * ml_h + sp * ml_s
+        tl.store(ml, m_i, mask=act)
+        tl.store(ml + ml_0, l_i, mask=act)
+        tl.store(acc_ptr + tok[:, None] * a_t + heads[:, None] * a_h + sp * a_s
+                 + offs_d[None, :] * a_d, acc, mask=mq)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * o_t + heads[:, None] * o_h + offs_d[None, :] * o_d,
+                 out.to(out_ptr.dtype.element_ty), mask=mq)
 
 
 _TARGET_PROGRAMS_CPU = 264  # 2 x the H200's 132 SMs; what the launcher assumes off CUDA
@@ -274,6 +299,18 @@ def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
                       triton.cdiv(max(1, max_kv_len), max(1, min_split_keys))))
 
 
+def tiled_num_splits(programs: int, max_kv_len: int, target_programs: int,
+                     min_split_keys: int) -> int:
+    """Key partitions of the tiled kernel, from host ints only: 1 unless its programs (token
+    blocks x KV heads) fill at most a quarter of target_programs (a short prompt or a follow-up
+    turn's suffix after a long cached prefix: a handful of programs would each walk the whole
+    context), then enough to reach target_programs, no more than max_kv_len / min_split_keys."""
+    if programs * 4 > target_programs:
+        return 1
+    return max(1, min(triton.cdiv(target_programs, programs),
+                      triton.cdiv(max(1, max_kv_len), max(1, min_split_keys))))
+
+
 def decode_block_n(head_dim: int) -> int:
     """The per-token kernel's default keys per step: a K/V tile of 4096 elements, 32 keys of
     head_dim 128, 64 of head_dim 64 (the best block_n at 64 decode tokens in
@@ -296,8 +333,11 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
 
     `tiled=True`: the prefill-oriented kernel, one program per block of
     max(1, block_m // (H / H_kv)) consecutive tokens and one KV head, so a prefill row's K/V is
-    read once per token block instead of once per token. The public op sends prefill tokens here
-    and decode tokens, one per row, to the per-token kernel, which has more parallelism for them.
+    read once per token block instead of once per token. When those programs are few
+    (`tiled_num_splits`; tuning `num_splits` overrides) each also takes one of `ns` key
+    partitions (of at least `min_split_keys` keys), merged by the combine kernel. The public op
+    sends prefill tokens here and decode tokens, one per row, to the per-token kernel, which has
+    more parallelism for them.
 
     `out`: write into this [T, H, head_dim] tensor (any strides, e.g. a row slice of a mixed
     batch's output) instead of a new one; it is returned."""
@@ -320,11 +360,31 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
         BLOCK_N = block_n or max(16, min(64, triton.next_power_of_2(page_size)))
         BLOCK_M = max(16, triton.next_power_of_2(cfg["block_m"]), triton.next_power_of_2(rep))
         tpb = max(1, BLOCK_M // rep)
-        _paged_attention_tiled_kernel[(triton.cdiv(T, tpb), Hkv)](
-            q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh, rep,
-            T, tpb, *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, num_warps=num_warps,
+        blocks = triton.cdiv(T, tpb)
+        ns = tiled_num_splits(blocks * Hkv, int(max_kv_len), _target_programs(q.device),
+                              cfg["min_split_keys"]) if cfg["num_splits"] is None \
+            else int(cfg["num_splits"])
+        assert ns >= 1, ns
+        min_split = triton.cdiv(max(1, cfg["min_split_keys"]), BLOCK_N) * BLOCK_N
+        if ns == 1:
+            _paged_attention_tiled_kernel[(blocks, Hkv)](
+                q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh,
+                rep, T, tpb, *q.stride(), *kv_cache.stride(), *page_table.stride(),
+                *out.stride(), out, out, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # scratch unused
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=False,
+                num_warps=num_warps,
+            )
+            return out
+        ml = torch.empty((2, T, H, ns), dtype=torch.float32, device=q.device)  # partial m, l
+        acc = torch.empty((T, H, ns, Dh), dtype=torch.float32, device=q.device)
+        _paged_attention_tiled_kernel[(blocks, Hkv, ns)](
+            q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh,
+            rep, T, tpb, *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
+            ml, acc, ns, min_split, *ml.stride(), *acc.stride(),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=True,
+            num_warps=num_warps,
         )
+        _combine(ml, acc, out, ns, Dh, q.device)
         return out
     BLOCK_N = block_n or decode_block_n(Dh)
     if num_warps is None:
@@ -356,10 +416,18 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
         BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=True,
         num_warps=num_warps, **pdl_launch(q.device, _paged_attention_kernel),
     )
+    _combine(ml, acc, out, ns, Dh, q.device)
+    return out
+
+
+def _combine(ml: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, ns: int, Dh: int,
+             device: torch.device) -> None:
+    """The partitions' merge (`_paged_attention_combine_kernel`), grid (T, H)."""
+    T, H = out.shape[:2]
     BLOCK_S = triton.next_power_of_2(ns)
+    BLOCK_D = max(16, triton.next_power_of_2(Dh))
     _paged_attention_combine_kernel[(T, H)](
         ml, acc, out, ns, Dh, *ml.stride(), *acc.stride(), *out.stride(),
         BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, num_warps=max(1, min(4, BLOCK_S * BLOCK_D // 1024)),
-        **pdl_launch(q.device, _paged_attention_combine_kernel),
+        **pdl_launch(device, _paged_attention_combine_kernel),
     )
-    return out

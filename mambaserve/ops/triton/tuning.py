@@ -68,8 +68,10 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "paged_attention": MappingProxyType({"block_n": None, "num_warps": None, "num_splits": None,
                                          "min_split_keys": 64}),
     # tiled paged attention (prefill tokens): block_m query rows per program; block_n None =
-    # max(16, min(64, pow2(page_size)))
-    "paged_attention_tiled": MappingProxyType({"block_m": 128, "block_n": None, "num_warps": 4}),
+    # max(16, min(64, pow2(page_size))); num_splits None = key partitions from
+    # tiled_num_splits (few programs only) with min_split_keys, an int forces that many
+    "paged_attention_tiled": MappingProxyType({"block_m": 128, "block_n": None, "num_warps": 4,
+                                               "num_splits": None, "min_split_keys": 256}),
     # rotary: None = block_h min(16, pow2(heads))
     "rotary": MappingProxyType({"block_h": None}),
     # decode snapshot copy: elements of a slot per program
