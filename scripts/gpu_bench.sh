@@ -303,15 +303,27 @@ stage_prefill-graphs() {  # small prefill / mixed steps through CUDA graphs: GPU
             --engine enforce_eager=false,cuda_graph_max_prefill_tokens=$g --out "$W/ttft_graphs_$g.json"
     done
 }
-stage_suffix() {  # single-request latency with the prefix cache on: a follow-up turn's uncached
-    # suffix after a cached 2048-token history, then plain prompts and batch-1 decode with caching on
-    local eng="enforce_eager=false,cuda_graph_max_prefill_tokens=${SUFFIX_GRAPHS:-256}"
+stage_suffix() {  # single-request latency with the prefix cache on, overlap on (a stream's view):
+    # a follow-up turn's uncached suffix after a cached 2048-token history, fresh prompts and
+    # batch-1 decode with caching on and off, then where the follow-up turn's step goes and where
+    # a fresh 2048-token prompt's goes with caching on and off
+    local eng="enforce_eager=false,async_scheduling=true"
     run suffix-ttft 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
         --batch-size 1 --input-len 32,128,512 --output-len 16 --cached-prefix-len 2048 \
-        --engine "$eng" --out "$W/suffix_ttft.json"
-    run suffix-cache-on 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
-        --batch-size 1,8 --input-len 128,512,2048 --output-len 24 \
-        --engine "$eng,enable_prefix_caching=true" --out "$W/suffix_cache_on.json"
+        --engine "$eng,enable_prefix_caching=true" --out "$W/suffix_ttft.json"
+    for pc in true false; do
+        run "suffix-cache-$pc" 200 $MS bench one-batch --preset $PRESET --device cuda \
+            --dtype bfloat16 --batch-size 1 --input-len 32,512,2048 --output-len 24 \
+            --engine "$eng,enable_prefix_caching=$pc" --out "$W/suffix_cache_$pc.json"
+    done
+    run suffix-profile 150 $MS bench profile --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1 --input-len 32 --cached-prefix-len 2048 --steps 2 \
+        --engine "$eng,enable_prefix_caching=true" --out "$W/profile_suffix.json"
+    for pc in true false; do
+        run "suffix-profile-2048-$pc" 150 $MS bench profile --preset $PRESET --device cuda \
+            --dtype bfloat16 --batch-size 1 --input-len 2048 --steps 2 \
+            --engine "$eng,enable_prefix_caching=$pc" --out "$W/profile_2048_cache_$pc.json"
+    done
 }
 FAMILIES=${FAMILIES:-falcon-h1-7b granite-4.0-h-micro mamba-codestral-7b}
 stage_families() {  # the other families' presets: one batch, then where a prefill / decode step goes
