@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from offline_ptx import compile_report
-from triton_env import DEV, require_interpreter  # before anything imports triton
+from triton_env import DEV, decide_as_cuda, require_interpreter  # before anything imports triton
 
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import build_metadata
@@ -136,14 +136,7 @@ def test_no_entries_is_a_no_op():
 
 
 def test_dispatch_through_the_public_op(monkeypatch):
-    decided = []
-
-    def decide(op, device, **inputs):
-        decided.append(kernel_path(op, "cuda", **inputs))
-        return decided[-1]
-
-    if DEV == "cpu":  # decide as on CUDA; the launcher runs under the interpreter
-        monkeypatch.setattr(state_snapshot, "kernel_path", decide)
+    decided = decide_as_cuda(monkeypatch, state_snapshot)
     gen = torch.Generator().manual_seed(5)
     x, pool, pf, idx, dst = _setup(torch.float16, torch.float16, 40, pad=3, gen=gen)
     ref = pool.clone()

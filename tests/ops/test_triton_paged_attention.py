@@ -214,22 +214,8 @@ def test_paged_attention_tiled_split_ignores_nan_past_length(num_splits):
     """As the per-token split's NaN test, through the tiled kernel's partitions: the pool is NaN
     except each row's written keys."""
     page_size, H, Hkv, Dh = 4, 4, 2, 16
-    rows = [(37, 3), (0, 5), (12, 2)]  # (cached, new): prefill rows
     g = torch.Generator().manual_seed(num_splits)
-    need = [-(-(c + n) // page_size) for c, n in rows]
-    num_pages = sum(need) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    pages, at = [], 0
-    for n in need:
-        pages.append(perm[at: at + n])
-        at += n
-    meta = _meta([_row(n, c, i, pages[i]) for i, (c, n) in enumerate(rows)], [], page_size,
-                 num_pages)
-    kv = torch.full((2, num_pages + 1, page_size, Hkv, Dh), float("nan"))
-    for (c, n), pg in zip(rows, pages):
-        for j in range(c + n):
-            kv[:, pg[j // page_size], j % page_size] = torch.randn(2, Hkv, Dh, generator=g)
-    kv = kv.to(DEV)
+    meta, kv = _nan_but_rows([(37, 3), (0, 5), (12, 2)], [], page_size, Hkv, Dh, g)
     q = torch.randn(meta.num_tokens, H, Dh, generator=g).to(DEV)
     with tuning.override("paged_attention_tiled", num_splits=num_splits, min_split_keys=8,
                          block_m=16):
@@ -299,6 +285,26 @@ def test_paged_attention_ignores_nonfinite_stale_slots(tiled):
 # n <= 16 leave every partition but the first empty, n = 38 with 5 splits fills 3 (the last one
 # partial: 6 keys) and leaves 2 empty, n = 100 with 5 splits fills 4 (32, 32, 32, 4) and leaves
 # the fifth empty. A short prefill row sends tokens at positions 0..6 through the same kernel.
+def _nan_but_rows(prefills, decodes, page_size, Hkv, Dh, g):
+    """Metadata of the rows ((cached, new) each; pages drawn at random) and a KV pool that is NaN
+    everywhere but the rows' keys (unwritten page tails, pages nobody owns, the scratch page)."""
+    rows = list(prefills) + list(decodes)
+    need = [-(-(c + n) // page_size) for c, n in rows]
+    num_pages = sum(need) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    pages, at = [], 0
+    for n in need:
+        pages.append(perm[at: at + n])
+        at += n
+    made = [_row(n, c, i, pages[i]) for i, (c, n) in enumerate(rows)]
+    meta = _meta(made[: len(prefills)], made[len(prefills):], page_size, num_pages)
+    kv = torch.full((2, num_pages + 1, page_size, Hkv, Dh), float("nan"))
+    for (c, n), pg in zip(rows, pages):
+        for j in range(c + n):
+            kv[:, pg[j // page_size], j % page_size] = torch.randn(2, Hkv, Dh, generator=g)
+    return meta, kv.to(DEV)
+
+
 SPLIT_PREFILLS = [(0, 7)]
 SPLIT_DECODES = [(0, 1), (5, 1), (15, 1), (16, 1), (37, 1), (47, 1), (64, 1), (99, 1)]
 SPLIT_CASES = [(4, 10, 2, 16), (16, 10, 2, 32), (4, 2, 2, 32)]  # (page, H, Hkv, Dh): rep 5, 5, 1
@@ -325,21 +331,8 @@ def test_paged_attention_split_kv_ignores_nan_past_length(num_splits):
     """The whole pool is NaN except each row's keys 0..len-1 (unwritten page tails, pages nobody
     owns, the scratch page): split partitions, empty ones included, must not leak any of it."""
     page_size, H, Hkv, Dh = 4, 10, 2, 16
-    ctxs = [37, 0, 12, 70]
     g = torch.Generator().manual_seed(num_splits)
-    need = [-(-(c + 1) // page_size) for c in ctxs]
-    num_pages = sum(need) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    pages, at = [], 0
-    for n in need:
-        pages.append(perm[at: at + n])
-        at += n
-    meta = _meta([], [_row(1, c, i, pages[i]) for i, c in enumerate(ctxs)], page_size, num_pages)
-    kv = torch.full((2, num_pages + 1, page_size, Hkv, Dh), float("nan"))
-    for c, pg in zip(ctxs, pages):
-        for j in range(c + 1):
-            kv[:, pg[j // page_size], j % page_size] = torch.randn(2, Hkv, Dh, generator=g)
-    kv = kv.to(DEV)
+    meta, kv = _nan_but_rows([], [(c, 1) for c in (37, 0, 12, 70)], page_size, Hkv, Dh, g)
     q = torch.randn(meta.num_tokens, H, Dh, generator=g).to(DEV)
     with tuning.override("paged_attention", num_splits=num_splits):
         out = paged_attention_triton(q, kv, meta.page_table, meta.token_row, meta.positions,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_env import DEV, require_interpreter  # before anything imports triton
+from triton_env import DEV, decide_as_cuda, require_interpreter  # before anything imports triton
 
 from mambaserve.ops import state_snapshot
 from mambaserve.ops.dispatch import kernel_path
@@ -63,14 +63,7 @@ def test_copy_rows_between_tensors_casts_and_skips(pool_dtype):
 
 
 def test_prefill_snapshots_through_the_public_op(monkeypatch):
-    decided = []
-
-    def decide(op, device, **inputs):
-        decided.append(kernel_path(op, "cuda", **inputs))
-        return decided[-1]
-
-    if DEV == "cpu":  # decide as on CUDA; the launcher runs under the interpreter
-        monkeypatch.setattr(state_snapshot, "kernel_path", decide)
+    decided = decide_as_cuda(monkeypatch, state_snapshot)
     gen = torch.Generator().manual_seed(5)
     states = torch.randn(3, 2, 4, 5, generator=gen).to(DEV)
     pool = torch.randn(6, 2, 4, 5, generator=gen).to(DEV)
@@ -108,14 +101,7 @@ def test_bad_pool_and_block_rejected():
 def test_restore_snapshots_through_the_kernel(monkeypatch, pool_dtype):
     """Prefix-cache restores: every layer's snapshot slot copied into the live slot, as the
     reference does, bit for bit; no other slot (the sources included) changes."""
-    decided = []
-
-    def decide(op, device, **inputs):
-        decided.append(kernel_path(op, "cuda", **inputs))
-        return decided[-1]
-
-    if DEV == "cpu":
-        monkeypatch.setattr(state_snapshot, "kernel_path", decide)
+    decided = decide_as_cuda(monkeypatch, state_snapshot)
     gen = torch.Generator().manual_seed(7)
     conv = torch.randn(3, 9, 2, 11, generator=gen).to(DEV, pool_dtype)  # L=3, 8 slots + scratch
     ssm = torch.randn(3, 9, 2, 3, 5, generator=gen).to(DEV)

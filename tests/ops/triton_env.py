@@ -22,3 +22,20 @@ def require_interpreter(kernel) -> None:
     if DEV == "cpu" and type(kernel).__name__ != "InterpretedFunction":
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set",
                     allow_module_level=True)
+
+
+def decide_as_cuda(monkeypatch, module) -> list[str]:
+    """On the CPU, `module`'s `kernel_path` decides as it would on CUDA (its launchers then run
+    under the interpreter); returns the paths it decided, in order (empty on CUDA, where nothing
+    is patched)."""
+    from mambaserve.ops.dispatch import kernel_path
+
+    decided: list[str] = []
+
+    def decide(op, device, **inputs):
+        decided.append(kernel_path(op, "cuda", **inputs))
+        return decided[-1]
+
+    if DEV == "cpu":
+        monkeypatch.setattr(module, "kernel_path", decide)
+    return decided
