@@ -209,6 +209,20 @@ def test_paged_attention_tiled_splits_by_itself_behind_a_long_prefix(monkeypatch
     assert tiled_num_splits(2, 100, 264, 256) == 1  # a short context: one partition
 
 
+def test_empty_partitions_leave_no_trace_in_nan_scratch(monkeypatch):
+    """Scratch starts as NaN (uninitialized memory may hold anything): the tiled kernel skips the
+    accumulators of query rows with no key in a partition, and the combine must not read them."""
+    real = tpa.split_scratch
+    monkeypatch.setattr(tpa, "split_scratch", lambda *a: tuple(t.fill_(float("nan"))
+                                                                for t in real(*a)))
+    out, ref = _run([(0, 9), (40, 2)], [(3, 1)], 4, 8, 2, 16, torch.float32, seed=4,
+                    split_at_prefill=False, tiled=True, block_m=16, num_splits=6,
+                    min_split_keys=16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out, ref = _run([], [(0, 1), (50, 1)], 4, 8, 2, 16, torch.float32, seed=5, num_splits=5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_paged_attention_tiled_split_ignores_nan_past_length(num_splits):
     """As the per-token split's NaN test, through the tiled kernel's partitions: the pool is NaN

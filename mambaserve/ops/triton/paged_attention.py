@@ -166,7 +166,8 @@ def _paged_attention_combine_kernel(
 ):
     """Grid (T, H): merges the NS partitions of one token and query head,
     out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s with M = max_s m_s. Empty partitions
-    (m = -inf) get weight 0; partition 0 always holds key 0, so M is finite."""
+    (m = -inf, l = 0) get weight 0 and their accumulators are not read (the tiled kernel does not
+    write them); partition 0 always holds key 0, so M is finite."""
     await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -181,7 +182,7 @@ def _paged_attention_combine_kernel(
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # only if pos < 0 (0/0 as unsplit)
     w = tl.exp(m - m_max)
     acc = tl.load(acc_ptr + t * a_t + h * a_h + offs_s[:, None] * a_s + offs_d[None, :] * a_d,
-                  mask=ms[:, None] & md[None, :], other=0.0)
+                  mask=ms[:, None] & md[None, :] & (lsum > 0)[:, None], other=0.0)
     num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(lsum * w, axis=0)
     tl.store(out_ptr + t * o_t + h * o_h + offs_d * o_d, (num / den).to(out_ptr.dtype.element_ty),
@@ -263,8 +264,10 @@ def _paged_attention_tiled_kernel(
         ml = ml_ptr + tok * ml_t + heads * ml_h + sp * ml_s
         tl.store(ml, m_i, mask=act)
         tl.store(ml + ml_0, l_i, mask=act)
+        # a query row that saw no key here leaves its accumulator unwritten (l = 0: the
+        # combine reads none of it), so a short row's empty partitions cost no scratch traffic
         tl.store(acc_ptr + tok[:, None] * a_t + heads[:, None] * a_h + sp * a_s
-                 + offs_d[None, :] * a_d, acc, mask=mq)
+                 + offs_d[None, :] * a_d, acc, mask=mq & (l_i > 0)[:, None])
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * o_t + heads[:, None] * o_h + offs_d[None, :] * o_d,
@@ -375,8 +378,7 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
                 num_warps=num_warps,
             )
             return out
-        ml = torch.empty((2, T, H, ns), dtype=torch.float32, device=q.device)  # partial m, l
-        acc = torch.empty((T, H, ns, Dh), dtype=torch.float32, device=q.device)
+        ml, acc = split_scratch(T, H, ns, Dh, q.device)
         _paged_attention_tiled_kernel[(blocks, Hkv, ns)](
             q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh,
             rep, T, tpb, *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
@@ -407,8 +409,7 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
             num_warps=num_warps, **pdl_launch(q.device, _paged_attention_kernel),
         )
         return out
-    ml = torch.empty((2, T, H, ns), dtype=torch.float32, device=q.device)  # partial m, l
-    acc = torch.empty((T, H, ns, Dh), dtype=torch.float32, device=q.device)
+    ml, acc = split_scratch(T, H, ns, Dh, q.device)
     _paged_attention_kernel[(T, Hkv, ns)](
         q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh, rep,
         *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
@@ -418,6 +419,14 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
     )
     _combine(ml, acc, out, ns, Dh, q.device)
     return out
+
+
+def split_scratch(T: int, H: int, ns: int, Dh: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key partitions' scratch, uninitialized: partial max and sum [2, T, H, ns] and
+    unnormalized accumulators [T, H, ns, Dh], float32."""
+    return (torch.empty((2, T, H, ns), dtype=torch.float32, device=device),
+            torch.empty((T, H, ns, Dh), dtype=torch.float32, device=device))
 
 
 def _combine(ml: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, ns: int, Dh: int,
