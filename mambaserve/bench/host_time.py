@@ -15,7 +15,9 @@ to `step()` to the forward's first launch is added to the time to first token. W
   views over it and the graph buffer's load;
 - `prefix`: the whole of it, from `step()` to the forward's start.
 
-Scenarios: `prefill N`, the step that runs a lone prompt of N tokens (a new request: TTFT);
+Scenarios: `prefill N`, the step that runs a lone prompt of N tokens (a new request: TTFT;
+with `--cached-prefix-len P`, a follow-up turn: N new tokens after a P-token history prefilled
+before, untimed, and served by the prefix cache, which is then on);
 `decode B`, a steady decode step of B running requests (with overlap scheduling the host plans
 it while the device runs the step before, so it must stay below a decode step's device time).
 Each figure is the median over `--repeats` steps after warm-up steps of the same shape; the
@@ -61,6 +63,7 @@ class HostTimeConfig:
     dtype: str = "bfloat16"
     engine: dict = field(default_factory=dict)
     seed: int = 0
+    cached_prefix_len: int = 0  # P: each lone prompt follows a P-token history the cache serves
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -71,6 +74,8 @@ class HostTimeConfig:
             raise ValueError("input-len and decode-batch values must be >= 1")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
+        if self.cached_prefix_len < 0:
+            raise ValueError(f"--cached-prefix-len must be >= 0, got {self.cached_prefix_len}")
         self.device = resolve_device(self.device)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
@@ -82,6 +87,7 @@ class HostTimeResult:
     path: str  # how the forward ran: prefill graph | decode graph | eager
     us: dict[str, float]  # phase -> median microseconds
     steps: int
+    cached_tokens: int = 0  # prefill after a history: the fewest tokens the cache served
 
 
 class StepClock:
@@ -112,6 +118,7 @@ class HostTimer:
     def __init__(self, engine) -> None:
         self.engine, self.clock = engine, StepClock()
         self.path = ""
+        self.outputs: list = []  # the last step's outputs
         runner = engine.runner
         runner.section = self.clock.section
         runner.on_forward = lambda batch, meta: self._note_path(meta)
@@ -130,7 +137,7 @@ class HostTimer:
         """One engine step; its phases in seconds, None when it launched no forward."""
         self.clock.reset()
         t0 = time.perf_counter()
-        self.engine.step()
+        self.outputs = self.engine.step()
         c = self.clock
         if "forward" not in c.start:
             return None
@@ -152,20 +159,31 @@ def time_prefill(timer: HostTimer, vocab: int, n: int, c: HostTimeConfig) -> Hos
     """The first step of each of warmup + repeats lone prompts of n tokens."""
     from mambaserve.engine.sampling_params import SamplingParams
 
-    eng, samples, path = timer.engine, [], ""
+    eng, samples, cached, path = timer.engine, [], [], ""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    P = c.cached_prefix_len
     for i in range(c.warmup + c.repeats):
         prompt = random_prompts(vocab, 1, n, c.seed + 7919 * n + i)[0]
+        if P:  # a follow-up turn: its history first, untimed (the cache then serves it)
+            history = random_prompts(vocab, 1, P, c.seed + 104729 + 7919 * n + i)[0]
+            eng.add_request(f"host-history-{n}-{i}", {"prompt_token_ids": history}, params)
+            while eng.has_unfinished_requests():
+                eng.step()
+            prompt = history + prompt
         eng.add_request(f"host-prefill-{n}-{i}", {"prompt_token_ids": prompt}, params)
-        first = None
+        first, outs = None, []
         while first is None:
             first = timer.step()
+            outs += timer.outputs
         path = timer.path
         while eng.has_unfinished_requests():
-            eng.step()
+            outs += eng.step()
         if i >= c.warmup:
             samples.append(first)
-    return HostTimeResult(f"prefill {n}", path, _median_us(samples), len(samples))
+            cached.append(next(o.num_cached_tokens for o in outs
+                               if o.request_id == f"host-prefill-{n}-{i}"))
+    name = f"prefill {n}" + (f" after {P}" if P else "")
+    return HostTimeResult(name, path, _median_us(samples), len(samples), min(cached))
 
 
 def time_decode(timer: HostTimer, vocab: int, b: int, c: HostTimeConfig) -> HostTimeResult:
@@ -211,9 +229,11 @@ def run_host_time(c: HostTimeConfig, log=print) -> list[HostTimeResult]:
     longest = max(c.input_lens, default=16)
     kw = {"dtype": c.dtype, "device": c.device, "load_format": load_format, "seed": c.seed,
           "max_num_seqs": max(c.decode_batches + [1]),
-          "max_model_len": max(longest, 16) + c.warmup + c.repeats + 32,
-          "chunked_prefill_size": max(longest, 16 * max(c.decode_batches + [1])),
-          "async_scheduling": True, **c.engine}
+          "max_model_len": c.cached_prefix_len + max(longest, 16) + c.warmup + c.repeats + 32,
+          "chunked_prefill_size": max(c.cached_prefix_len + longest,
+                                      16 * max(c.decode_batches + [1])),
+          "async_scheduling": True,
+          **({"enable_prefix_caching": True} if c.cached_prefix_len else {}), **c.engine}
     results = []
     try:
         eng = LLMEngine(path, EngineConfig(**kw))
@@ -237,7 +257,8 @@ def run_host_time(c: HostTimeConfig, log=print) -> list[HostTimeResult]:
 
 def format_result(r: HostTimeResult) -> str:
     phases = "  ".join(f"{p} {r.us[p]:7.1f}" for p in PHASES)
-    return f"{r.scenario:<13} {r.path:<14} {phases}  (us, median of {r.steps})"
+    hit = f", {r.cached_tokens} cached" if r.cached_tokens else ""
+    return f"{r.scenario:<13} {r.path:<14} {phases}  (us, median of {r.steps}{hit})"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -251,6 +272,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-batch", default="1,8", help="steady decode steps of these batches")
     p.add_argument("--repeats", type=int, default=20, help="timed steps per scenario")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of the same shape first")
+    p.add_argument("--cached-prefix-len", type=int, default=0,
+                   help="a follow-up turn: each lone prompt follows a history of this many "
+                        "tokens, prefilled before (untimed) and served by the prefix cache")
     p.add_argument("--out", default=None, help="write the results as a JSON list")
 
 
@@ -258,7 +282,8 @@ def run_cli(a: argparse.Namespace) -> int:
     c = HostTimeConfig(model=a.model, preset=a.preset, narrow=a.narrow,
                        input_lens=int_list(a.input_len), decode_batches=int_list(a.decode_batch),
                        repeats=a.repeats, warmup=a.warmup, device=a.device, dtype=a.dtype,
-                       engine=parse_settings(a.engine), seed=a.seed)
+                       engine=parse_settings(a.engine), seed=a.seed,
+                       cached_prefix_len=a.cached_prefix_len)
     results = run_host_time(c)
     if a.out:
         Path(a.out).write_text(json.dumps([asdict(r) for r in results], indent=1))

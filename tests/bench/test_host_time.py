@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from mambaserve.bench.host_time import HostTimeConfig, StepClock, run_host_time
+from mambaserve.bench.host_time import HostTimeConfig, StepClock, format_result, run_host_time
 from mambaserve.bench.presets import PRESETS, narrow_config
 from mambaserve.cli import main
 from mambaserve.config import ModelConfig
@@ -57,6 +57,20 @@ def test_cpu_run_times_each_path_and_its_phases():
     assert {r.path for r in eager.values()} == {"eager"}
 
 
+def test_follow_up_turn_after_a_cached_history():
+    """--cached-prefix-len: the timed step is a suffix after a history the cache serves whole
+    (a restore, then the suffix through a prefill graph)."""
+    c = HostTimeConfig(preset="tiny", device="cpu", dtype="float32", input_lens=[8],
+                       decode_batches=[1], repeats=2, warmup=1, cached_prefix_len=64,
+                       engine={"enforce_eager": False, "cuda_graph_max_prefill_tokens": 32})
+    pre, dec = run_host_time(c, log=lambda s: None)
+    assert (pre.scenario, pre.path, pre.cached_tokens) == ("prefill 8 after 64", "prefill graph",
+                                                           64)
+    assert "64 cached" in format_result(pre) and dec.cached_tokens == 0
+    fresh = _run({"enforce_eager": False, "cuda_graph_max_prefill_tokens": 32})["prefill 8"]
+    assert fresh.cached_tokens == 0
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="exactly one of --model"):
         HostTimeConfig().validate()
@@ -64,6 +78,8 @@ def test_bad_settings_are_named():
         HostTimeConfig(model="x", narrow=True).validate()
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         HostTimeConfig(preset="tiny", repeats=0).validate()
+    with pytest.raises(ValueError, match="--cached-prefix-len must be >= 0"):
+        HostTimeConfig(preset="tiny", cached_prefix_len=-1).validate()
 
 
 def test_cli_writes_json(tmp_path, capsys):
