@@ -15,10 +15,10 @@ positions and the logit positions.
 for this prompt (the same bytes the full packing gives: tests/engine/test_prefill_template.py
 compares them on random prompts). The buffer is rewritten by the next step of the same key; the
 runner copies it into the step's upload at once, as it does the bucket's scratch buffer. Any
-other step returns None and is planned in full; a fresh lone prompt of a key not seen yet is
-planned and packed in full once and kept as its key's template, up to
-MAX_TEMPLATES keys. So a prompt length seen before skips the planning and the packing: the
-first-step host time of a lone prompt drops by ~45 % on the project's 2-core CPU machine
+other step gets its full plan (`plan_metadata`); a fresh lone prompt of a key not seen yet is
+planned and packed in full once and kept as its key's template, up to MAX_TEMPLATES keys. So a
+prompt length seen before skips the planning and the packing: the first-step host time of a lone
+prompt drops by ~45 % on the project's 2-core CPU machine, by 200–400 µs on an H100's host
 (docs/benchmarks.md, "Host time per step").
 """
 

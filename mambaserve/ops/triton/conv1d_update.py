@@ -43,12 +43,11 @@ def _conv_update_kernel(
     acc = window_conv(x, w_ptr, b_ptr, win, offs, md, mv, w_d, w_k, s_k, K, HAS_BIAS, SILU)
     if SHARED_LANES:  # fewer channels than threads: a value is read by several warps and
         tl.debug_barrier()  # stored by one; all reads before the window moves
+    snap, ms = win, mv
     if SNAP:  # the shifted window into the row's snapshot slot too
         dst = tl.load(snap_ptr + row).to(tl.int64)
-        shift_window_twice(win, state_ptr + tl.maximum(dst, 0) * s_slot + offs * s_d, x, mv,
-                           mv & (dst >= 0), s_k, K)
-    else:
-        shift_window(win, x, mv, s_k, K)
+        snap, ms = state_ptr + tl.maximum(dst, 0) * s_slot + offs * s_d, mv & (dst >= 0)
+    shift_window(win, x, mv, s_k, K, snap, ms, SNAP)
     acc = tl.where(valid, acc, 0.0)
     tl.store(out_ptr + row * o_b + offs * o_d, acc.to(out_ptr.dtype.element_ty), mask=md)
 
@@ -73,23 +72,18 @@ def window_conv(x, w_ptr, b_ptr, win, offs, md, mv, w_d, w_k, s_k, K: tl.constex
 
 
 @triton.jit
-def shift_window(win, x, mv, s_k, K: tl.constexpr):
-    """The saved window of K-1 inputs at `win` shifted by one: the K-2 newest kept, x added."""
-    for k in tl.static_range(K - 2):
-        tl.store(win + k * s_k, tl.load(win + (k + 1) * s_k, mask=mv, other=0.0), mask=mv)
-    tl.store(win + (K - 2) * s_k, x.to(win.dtype.element_ty), mask=mv)
-
-
-@triton.jit
-def shift_window_twice(win, snap, x, mv, ms, s_k, K: tl.constexpr):
-    """`shift_window`, the shifted window also stored at `snap` (mask ms)."""
+def shift_window(win, x, mv, s_k, K: tl.constexpr, snap, ms, SNAP: tl.constexpr):
+    """The saved window of K-1 inputs at `win` shifted by one: the K-2 newest kept, x added;
+    with SNAP the shifted window also stored at `snap` (mask ms)."""
     for k in tl.static_range(K - 2):
         v = tl.load(win + (k + 1) * s_k, mask=mv, other=0.0)
         tl.store(win + k * s_k, v, mask=mv)
-        tl.store(snap + k * s_k, v, mask=ms)
+        if SNAP:
+            tl.store(snap + k * s_k, v, mask=ms)
     xs = x.to(win.dtype.element_ty)
     tl.store(win + (K - 2) * s_k, xs, mask=mv)
-    tl.store(snap + (K - 2) * s_k, xs, mask=ms)
+    if SNAP:
+        tl.store(snap + (K - 2) * s_k, xs, mask=ms)
 
 
 def causal_conv1d_update_triton(x, weight, bias, conv_state, state_slots, activation=True,

@@ -369,24 +369,18 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
             else int(cfg["num_splits"])
         assert ns >= 1, ns
         min_split = triton.cdiv(max(1, cfg["min_split_keys"]), BLOCK_N) * BLOCK_N
-        if ns == 1:
-            _paged_attention_tiled_kernel[(blocks, Hkv)](
-                q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh,
-                rep, T, tpb, *q.stride(), *kv_cache.stride(), *page_table.stride(),
-                *out.stride(), out, out, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # scratch unused
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=False,
-                num_warps=num_warps,
-            )
-            return out
-        ml, acc = split_scratch(T, H, ns, Dh, q.device)
+        # one pass (ns 1): the scratch arguments are unused
+        ml, acc = (out, out) if ns == 1 else split_scratch(T, H, ns, Dh, q.device)
+        strides = (0,) * 8 if ns == 1 else (*ml.stride(), *acc.stride())
         _paged_attention_tiled_kernel[(blocks, Hkv, ns)](
             q, kv_cache, page_table, token_row, positions, out, float(scale), page_size, Dh,
             rep, T, tpb, *q.stride(), *kv_cache.stride(), *page_table.stride(), *out.stride(),
-            ml, acc, ns, min_split, *ml.stride(), *acc.stride(),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=True,
+            ml, acc, ns, min_split, *strides,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IP=IP, SPLIT=ns > 1,
             num_warps=num_warps,
         )
-        _combine(ml, acc, out, ns, Dh, q.device)
+        if ns > 1:
+            _combine(ml, acc, out, ns, Dh, q.device)
         return out
     BLOCK_N = block_n or decode_block_n(Dh)
     if num_warps is None:

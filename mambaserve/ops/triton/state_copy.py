@@ -1,5 +1,7 @@
-"""Triton copy of rows between tensors for the prefix cache's prefill snapshots (a scan's chunk
-end states into state-pool slots): only the rows that have a destination move any bytes.
+"""Triton copy of rows between tensors for the prefix cache: prefill snapshots (a scan's chunk
+end states into state-pool slots) and restores (`restore_snapshots`: a hit's snapshot into the
+live slot, over the pools' (layer, slot) rows, with no temporary). Only the rows that have a
+destination move any bytes.
 
 The reference (`mambaserve.ops.state_snapshot.save_prefill_ssm_snapshots_ref`) copies every
 entry, sending those without a destination (-1) to the scratch slot. Inside a prefill CUDA graph
