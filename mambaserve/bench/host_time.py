@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from mambaserve.bench.one_batch import int_list, parse_settings
-from mambaserve.bench.one_batch_backends import random_prompts
+from mambaserve.bench.one_batch_backends import prefill_untimed, random_prompts
 from mambaserve.config import resolve_device
 
 PHASES = ("schedule", "plan", "upload", "prefix")
@@ -166,9 +166,7 @@ def time_prefill(timer: HostTimer, vocab: int, n: int, c: HostTimeConfig) -> Hos
         prompt = random_prompts(vocab, 1, n, c.seed + 7919 * n + i)[0]
         if P:  # a follow-up turn: its history first, untimed (the cache then serves it)
             history = random_prompts(vocab, 1, P, c.seed + 104729 + 7919 * n + i)[0]
-            eng.add_request(f"host-history-{n}-{i}", {"prompt_token_ids": history}, params)
-            while eng.has_unfinished_requests():
-                eng.step()
+            prefill_untimed(eng, [history], f"host-history-{n}-{i}")
             prompt = history + prompt
         eng.add_request(f"host-prefill-{n}-{i}", {"prompt_token_ids": prompt}, params)
         first, outs = None, []

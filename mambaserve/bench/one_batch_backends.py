@@ -1,7 +1,8 @@
 """The two backends `bench one-batch` times (bench/one_batch.py): the engine in-process, and the
 transformers class of the checkpoint's architecture. Each `run(b, n, out_len, seed)` returns the
 seconds until every prompt of the batch has its first token and the decode step times after
-that; `random_prompts` draws the token ids both use. A backend is built from the benchmark's
+that; `random_prompts` draws the token ids both use, `prefill_untimed` runs a follow-up turn's
+histories. A backend is built from the benchmark's
 `OneBatchConfig` (`c`: batch sizes, input lengths, dtype, device, engine settings)."""
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from mambaserve.bench.roofline import sync
 def random_prompts(cfg_vocab: int, b: int, n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, cfg_vocab, (b, n), generator=g).tolist()
+
+
+def prefill_untimed(eng, prompts: list[list[int]], tag: str) -> None:
+    """Run `prompts` through the engine `eng` to their first token, untimed: with the prefix
+    cache on, the histories a follow-up turn then hits (request ids `tag`-0, `tag`-1, ...)."""
+    from mambaserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    while eng.has_unfinished_requests():
+        eng.step()
 
 
 class MambaserveBackend:
@@ -64,9 +77,8 @@ class MambaserveBackend:
             # a history of its own per prompt length (no earlier run's suffix is cached)
             prefixes = random_prompts(self.cfg.vocab_size, b, self.prefix_len,
                                       seed + 7919 + 31 * n)
-            self._submit(prefixes, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            while eng.has_unfinished_requests():
-                eng.step()
+            self.counter += 1
+            prefill_untimed(eng, prefixes, f"h{self.counter}")
             prompts = [a + q for a, q in zip(prefixes, prompts)]
         self._submit(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
         cached: dict[str, int] = {}

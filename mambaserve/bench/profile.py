@@ -46,7 +46,11 @@ from mambaserve.bench.one_batch import (
     matmul_ceiling,
     parse_settings,
 )
-from mambaserve.bench.one_batch_backends import MambaserveBackend, random_prompts
+from mambaserve.bench.one_batch_backends import (
+    MambaserveBackend,
+    prefill_untimed,
+    random_prompts,
+)
 from mambaserve.bench.roofline import sync
 
 # (group, substrings of a kernel / operator name), first match wins; names are lower-cased.
@@ -236,12 +240,8 @@ def profile_batch(c: OneBatchConfig, decode_steps: int = 8, top: int = 15,
         prompts = random_prompts(cfg.vocab_size, b, n, c.seed)
         if c.cached_prefix_len:  # a follow-up turn: the histories first, untimed, unprofiled
             histories = random_prompts(cfg.vocab_size, b, c.cached_prefix_len, c.seed + 7919)
-            for h in histories:
-                backend.counter += 1
-                eng.add_request(f"h{backend.counter}", {"prompt_token_ids": h},
-                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            while eng.has_unfinished_requests():
-                eng.step()
+            backend.counter += 1
+            prefill_untimed(eng, histories, f"h{backend.counter}")
             prompts = [h + q for h, q in zip(histories, prompts)]
         ids = []
         for prompt in prompts:
