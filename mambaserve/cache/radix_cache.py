@@ -16,10 +16,21 @@ Invariants (checked by `check_integrity`)
 |                      | nodes are never evicted                                              |
 | eviction             | LRU: an unlocked leaf is removed (slot freed, pages released); an    |
 |                      | unlocked inner node can lose its slot; paths stay contiguous         |
+
+Eviction order: the least recently used candidate first, by (last_access, deeper first). A match
+or insert touches a whole path in one tick, so an ancestor is never older than its descendants
+and ties fall to the deepest node: leaves go before the blocks they extend. The candidates sit in
+a heap of (last_access, -depth) entries pushed whenever a node is touched, unlocked or left
+without children; an entry that no longer describes its node (touched since, evicted, locked,
+not a candidate) is dropped when popped, so an eviction costs O(log nodes) per victim instead
+of a walk over the tree (8,000 nodes: ~19 ms per victim on a 2-core CPU, paid by the engine's
+step whenever a full state pool must hand out a snapshot slot).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from mambaserve.cache.kv_pool import KVPool
@@ -36,6 +47,7 @@ class Node:
     lock: int = 0
     last_access: int = 0
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    evicted: bool = False  # removed from the tree (its heap entries are dead)
 
 
 @dataclass
@@ -52,6 +64,10 @@ class PrefixCache:
         self.pages_per_block = interval // kv_pool.page_size
         self.root = Node((), None, 0)
         self._clock = 0
+        # eviction candidates: (last_access, -depth, push order, node); stale entries included
+        self._heap: list[tuple[int, int, int, Node]] = []
+        self._pushes = itertools.count()
+        self._num_nodes = 0
         self.metrics = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0,
                         "evicted_nodes": 0, "evicted_snapshots": 0, "inserted_snapshots": 0}
 
@@ -59,6 +75,16 @@ class PrefixCache:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def _touch(self, node: Node, now: int) -> None:
+        node.last_access = now
+        self._push(node)
+
+    def _push(self, node: Node) -> None:
+        heapq.heappush(self._heap, (node.last_access, -node.depth, next(self._pushes), node))
+        if len(self._heap) > 4 * self._num_nodes + 64:  # mostly stale entries: start afresh
+            self._heap = [(n.last_access, -n.depth, next(self._pushes), n) for n in self.nodes()]
+            heapq.heapify(self._heap)
 
     def match(self, tokens: list[int], max_len: int) -> Match:
         """Longest block path of `tokens[:max_len]` in the tree; the hit is its deepest node
@@ -69,7 +95,7 @@ class PrefixCache:
             child = node.children.get(tuple(tokens[d * self.interval:(d + 1) * self.interval]))
             if child is None:
                 break
-            child.last_access = now
+            self._touch(child, now)
             path.append(child)
             if child.slot >= 0:
                 hit = d + 1
@@ -92,6 +118,8 @@ class PrefixCache:
             if n.lock <= 0:
                 raise RuntimeError("unlocking a node that is not locked")
             n.lock -= 1
+            if n.lock == 0:  # its entries were dropped while it was locked
+                self._push(n)
 
     def path_pages(self, nodes: list[Node]) -> list[int]:
         return [p for n in nodes for p in n.pages]
@@ -114,7 +142,8 @@ class PrefixCache:
                 self.kv_pool.retain(block_pages)
                 child = Node(key, node, d + 1, pages=list(block_pages))
                 node.children[key] = child
-            child.last_access = now
+                self._num_nodes += 1
+            self._touch(child, now)
             node = child
         if slot >= 0:
             if node.slot < 0:
@@ -134,27 +163,57 @@ class PrefixCache:
         return out
 
     def evict(self, slots: int = 0, pages: int = 0) -> bool:
-        """Free cached entries, least recently used first, until `slots` state slots and `pages`
-        KV pages are free. Returns whether that was reached."""
-        def enough() -> bool:
-            return self.state_pool.num_free >= slots and self.kv_pool.num_free >= pages
-
-        while not enough():
+        """Free cached entries, least recently used first (module docstring), until `slots`
+        state slots and `pages` KV pages are free. Returns whether that was reached."""
+        set_aside: list[tuple[int, int, int, Node]] = []  # slot holders skipped for pages
+        ok = True
+        while self.state_pool.num_free < slots or self.kv_pool.num_free < pages:
             need_pages = self.kv_pool.num_free < pages
-            candidates = [n for n in self.nodes() if n.lock == 0 and (
-                not n.children or (n.slot >= 0 and not need_pages))]
-            if not candidates:
-                return False
-            victim = min(candidates, key=lambda n: n.last_access)
+            if not need_pages and set_aside:  # inner slot holders are candidates again
+                for entry in set_aside:
+                    heapq.heappush(self._heap, entry)
+                set_aside = []
+            victim = self._pop_victim(need_pages, set_aside)
+            if victim is None:
+                ok = False
+                break
             if victim.slot >= 0:
                 self.state_pool.free(victim.slot)
                 victim.slot = -1
                 self.metrics["evicted_snapshots"] += 1
             if not victim.children:
                 self.kv_pool.release(victim.pages)
-                del victim.parent.children[victim.key]
+                parent = victim.parent
+                del parent.children[victim.key]
+                victim.evicted = True
+                self._num_nodes -= 1
                 self.metrics["evicted_nodes"] += 1
-        return True
+                if parent is not self.root and not parent.children:
+                    self._push(parent)  # a leaf now
+        for entry in set_aside:
+            heapq.heappush(self._heap, entry)
+        return ok
+
+    def _pop_victim(self, need_pages: bool, set_aside: list) -> Node | None:
+        """The least recently used candidate: an unlocked leaf, or (slots only) an unlocked
+        inner node with a slot. Entries of nodes that are no candidate now are dropped (a node
+        is pushed again when it is touched, unlocked or loses its last child); slot holders
+        skipped because pages are needed go to `set_aside`."""
+        heap = self._heap
+        while heap:
+            entry = heap[0]
+            last_access, _, _, n = entry
+            heapq.heappop(heap)
+            if n.evicted or n.lock or last_access != n.last_access:
+                continue
+            if n.children:
+                if n.slot < 0:
+                    continue
+                if need_pages:
+                    set_aside.append(entry)
+                    continue
+            return n
+        return None
 
     # ---- introspection ---------------------------------------------------------------------
     @property

@@ -80,11 +80,74 @@ def test_inner_node_gives_up_only_its_slot(cache):
     cache.insert(seq(1, 2), pages, slot2)
     cache.kv_pool.release(pages)
     leaf = cache.match(seq(1, 2, 0), 24).path[1]
-    leaf.last_access = 10**9  # the inner node is older
+    cache.lock([leaf])  # the leaf (evicted first otherwise: deeper) is in use
     assert cache.evict(slots=cache.state_pool.num_free + 1)
     inner = cache.match(seq(1, 2, 0), 24).path[0]
     assert inner.slot == -1 and inner.children and len(cache.nodes()) == 2
-    cache.check_integrity([], [], [])
+    cache.check_integrity([], [], [[leaf]])
+
+
+def test_ties_evict_the_deeper_node_first(cache):
+    """One insert touches its whole path in one tick: the leaf goes before the inner node."""
+    pages, slot = owned(cache, 4)
+    cache.insert(seq(1), pages, slot)
+    cache.insert(seq(1, 2), pages, cache.state_pool.allocate())
+    cache.kv_pool.release(pages)
+    assert cache.evict(slots=cache.state_pool.num_free + 1)
+    assert [n.key[0] for n in cache.nodes()] == [1] and cache.nodes()[0].slot == slot
+
+
+def _reference_victim(cache, need_pages):
+    """The LRU rule by a walk over the whole tree (what the heap must agree with)."""
+    cands = [n for n in cache.nodes() if n.lock == 0 and (
+        not n.children or (n.slot >= 0 and not need_pages))]
+    return min(cands, key=lambda n: (n.last_access, -n.depth), default=None)
+
+
+def test_eviction_order_matches_a_walk_over_the_tree(tiny_ckpt):
+    """Random inserts, matches, locks and evictions for slots or pages: every victim the heap
+    picks is the one the walk picks, and the tree stays consistent."""
+    import random
+
+    cfg = ModelConfig.from_hf(tiny_ckpt)
+    sp = StatePool(cfg, 40, torch.float32, torch.float32, "cpu")
+    kv = KVPool(cfg, 400, 4, torch.float32, "cpu")
+    cache = PrefixCache(8, sp, kv)
+    rng = random.Random(0)
+    locked: list[list] = []
+    victims = 0
+    orig_pop = cache._pop_victim
+
+    def checked_pop(need_pages, set_aside):
+        nonlocal victims
+        want = _reference_victim(cache, need_pages)
+        got = orig_pop(need_pages, set_aside)
+        assert got is want
+        victims += got is not None
+        return got
+
+    cache._pop_victim = checked_pop
+    for _ in range(600):
+        op = rng.random()
+        blocks = [rng.randrange(3) for _ in range(rng.randrange(1, 5))]
+        if op < 0.4 and kv.num_free >= 2 * len(blocks) and sp.num_free:
+            pages = kv.allocate(2 * len(blocks))
+            cache.insert(seq(*blocks), pages, sp.allocate() if rng.random() < 0.7 else -1)
+            kv.release(pages)
+        elif op < 0.6:
+            path = cache.match(seq(*blocks, 9), 8 * len(blocks) + 1).path
+            if path and rng.random() < 0.3:
+                cache.lock(path)
+                locked.append(path)
+        elif op < 0.7 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        elif op < 0.85:
+            cache.evict(slots=sp.num_free + rng.randrange(1, 4))
+        else:
+            cache.evict(pages=kv.num_free + 2 * rng.randrange(1, 4))
+        cache.check_integrity([], [], locked)
+        assert len(cache._heap) <= 4 * len(cache.nodes()) + 65
+    assert victims > 100
 
 
 def test_integrity_catches_leaks(cache):
