@@ -67,7 +67,7 @@ class PrefixCache:
         # eviction candidates: (last_access, -depth, push order, node); stale entries included
         self._heap: list[tuple[int, int, int, Node]] = []
         self._pushes = itertools.count()
-        self._num_nodes = 0
+        self._num_nodes = self._num_snapshots = 0  # kept as they change: stats() walks nothing
         self.metrics = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0,
                         "evicted_nodes": 0, "evicted_snapshots": 0, "inserted_snapshots": 0}
 
@@ -148,6 +148,7 @@ class PrefixCache:
         if slot >= 0:
             if node.slot < 0:
                 node.slot = slot
+                self._num_snapshots += 1
                 self.metrics["inserted_snapshots"] += 1
             else:
                 self.state_pool.free(slot)
@@ -180,6 +181,7 @@ class PrefixCache:
             if victim.slot >= 0:
                 self.state_pool.free(victim.slot)
                 victim.slot = -1
+                self._num_snapshots -= 1
                 self.metrics["evicted_snapshots"] += 1
             if not victim.children:
                 self.kv_pool.release(victim.pages)
@@ -218,7 +220,7 @@ class PrefixCache:
     # ---- introspection ---------------------------------------------------------------------
     @property
     def num_snapshots(self) -> int:
-        return sum(1 for n in self.nodes() if n.slot >= 0)
+        return self._num_snapshots
 
     def stats(self) -> dict:
         m = dict(self.metrics)
@@ -226,13 +228,15 @@ class PrefixCache:
         m["request_hit_rate"] = m["hits"] / m["queries"] if m["queries"] else 0.0
         m["snapshots"] = self.num_snapshots
         m["snapshot_bytes"] = m["snapshots"] * self.state_pool.bytes_per_slot_actual
-        m["nodes"] = len(self.nodes())
+        m["nodes"] = self._num_nodes
         return m
 
     def check_integrity(self, request_pages: list[list[int]], request_slots: list[int],
                         request_paths: list[list[Node]]) -> None:
         """Raise AssertionError unless every page reference, slot and lock is accounted for."""
         nodes = self.nodes()
+        assert self._num_nodes == len(nodes), "node count out of step with the tree"
+        assert self._num_snapshots == sum(n.slot >= 0 for n in nodes), "snapshot count off"
         refs = [0] * self.kv_pool.num_pages
         for n in nodes:
             assert len(n.pages) == self.pages_per_block, "node without a whole block of pages"

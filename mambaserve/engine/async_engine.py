@@ -116,7 +116,6 @@ class AsyncEngine:
         self.step_errors = 0
         self.slow_step_s = 2.0  # a step longer than this is logged with its composition
         self._last_publish = 0.0
-        self._cache_time = 0.0
         self.snapshot = EngineSnapshot()
         self._publish()
         self._thread = threading.Thread(target=self._run, name="mambaserve-engine", daemon=True)
@@ -395,14 +394,10 @@ class AsyncEngine:
     def _publish(self) -> None:
         e = self.engine
         now = time.monotonic()
-        cache = self.snapshot.cache
-        # the cache's stats walk its whole tree: refresh them once a second, or when idle
-        if now - self._cache_time >= 1.0 or not e.has_unfinished_requests():
-            try:
-                cache = e.cache_stats()
-            except Exception:  # noqa: BLE001 - metrics must not stop the loop
-                cache = {}
-            self._cache_time = now
+        try:  # counters kept by the cache as it changes (no walk over the tree)
+            cache = e.cache_stats()
+        except Exception:  # noqa: BLE001 - metrics must not stop the loop
+            cache = {}
         self.snapshot = EngineSnapshot(
             running=e.num_running, waiting=e.num_waiting,
             state_slots_total=e.state_pool.num_slots, state_slots_free=e.state_pool.num_free,
