@@ -13,7 +13,10 @@ to `step()` to the forward's first launch is added to the time to first token. W
   packed inputs);
 - `upload`: a prefill graph's bucket packing, the step's one host-to-device copy, the typed
   views over it and the graph buffer's load;
-- `prefix`: the whole of it, from `step()` to the forward's start.
+- `prefix`: the whole of it, from `step()` to the forward's start;
+- `launch`: the forward call itself on the host (for a graph: the replay's launch, the host
+  time before the device can run the graph's first kernel; eager: every layer's launches, which
+  the device overlaps with its work).
 
 Scenarios: `prefill N`, the step that runs a lone prompt of N tokens (a new request: TTFT;
 with `--cached-prefix-len P`, a follow-up turn: N new tokens after a P-token history prefilled
@@ -47,7 +50,7 @@ from mambaserve.bench.one_batch import int_list, parse_settings
 from mambaserve.bench.one_batch_backends import prefill_untimed, random_prompts
 from mambaserve.config import resolve_device
 
-PHASES = ("schedule", "plan", "upload", "prefix")
+PHASES = ("schedule", "plan", "upload", "prefix", "launch")
 
 
 @dataclass
@@ -143,7 +146,7 @@ class HostTimer:
             return None
         return {"schedule": c.start.get("plan", c.start["forward"]) - t0,
                 "plan": c.seconds.get("plan", 0.0), "upload": c.seconds.get("upload", 0.0),
-                "prefix": c.start["forward"] - t0}
+                "prefix": c.start["forward"] - t0, "launch": c.seconds["forward"]}
 
     def close(self) -> None:
         runner = self.engine.runner
