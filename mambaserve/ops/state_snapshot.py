@@ -73,19 +73,17 @@ def restore_snapshots(conv_state: torch.Tensor, ssm_state: torch.Tensor, src: to
     ssm_state: [L, slots + 1, H, P, N]; src, dst: [R] (real slots, never -1; no slot in both).
 
     On CUDA with Triton (contiguous pools): one row-copy launch per pool over the (layer, slot)
-    rows, no temporary. The reference's index_select materializes every restored state first
-    (~140 MB per row at the 9B shapes), and the caching allocator's first request of that size
-    stalled a follow-up turn's step for ~0.85 ms on an H100 (docs/benchmarks.md)."""
+    rows, with no temporary and no index arithmetic of its own (the kernel adds each layer's
+    offset). The reference's index_select materializes every restored state first (~140 MB per
+    row at the 9B shapes)."""
     if kernel_path("restore_snapshots", ssm_state.device, conv_state=conv_state,
                    ssm_state=ssm_state) == "triton":
         from mambaserve.ops.triton.state_copy import copy_rows_triton
 
         L, S = ssm_state.shape[:2]
-        base = torch.arange(0, L * S, S, device=src.device)[:, None]
-        rows_src, rows_dst = (base + src[None]).reshape(-1), (base + dst[None]).reshape(-1)
-        for pool in (conv_state, ssm_state):
+        for pool in (conv_state, ssm_state):  # the kernel walks the layers itself
             flat = pool.view(L * S, -1)
-            copy_rows_triton(flat, rows_src, flat, rows_dst)
+            copy_rows_triton(flat, src, flat, dst, layers=L, layer_rows=S)
         return
     restore_snapshots_ref(conv_state, ssm_state, src, dst)
 

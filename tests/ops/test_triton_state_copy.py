@@ -115,3 +115,16 @@ def test_restore_snapshots_through_the_kernel(monkeypatch, pool_dtype):
     strided = torch.zeros(3, 9, 11, 2).transpose(2, 3)
     assert kernel_path("restore_snapshots", "cuda", conv_state=strided,
                        ssm_state=ssm) == "reference"
+
+
+def test_copy_rows_over_layers_skips_entries_without_a_destination():
+    """`layers`: entry r copies row l * layer_rows + src[r] to l * layer_rows + dst[r] in every
+    layer l; an entry of -1 moves nothing in any layer."""
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(4 * 5, 7, generator=gen).to(DEV)  # 4 layers x 5 rows
+    src, dst = torch.tensor([3, 2, 0], device=DEV), torch.tensor([1, -1, 4], device=DEV)
+    want = pool.clone().view(4, 5, 7)
+    for s_, d_ in ((3, 1), (0, 4)):
+        want[:, d_] = want[:, s_].clone()
+    copy_rows_triton(pool, src, pool, dst, layers=4, layer_rows=5)
+    assert torch.equal(pool.view(4, 5, 7), want)
