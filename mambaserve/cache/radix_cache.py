@@ -201,11 +201,9 @@ class PrefixCache:
         inner node with a slot. Entries of nodes that are no candidate now are dropped (a node
         is pushed again when it is touched, unlocked or loses its last child); slot holders
         skipped because pages are needed go to `set_aside`."""
-        heap = self._heap
-        while heap:
-            entry = heap[0]
+        while self._heap:
+            entry = heapq.heappop(self._heap)
             last_access, _, _, n = entry
-            heapq.heappop(heap)
             if n.evicted or n.lock or last_access != n.last_access:
                 continue
             if n.children:
