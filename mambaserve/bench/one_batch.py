@@ -56,6 +56,7 @@ class OneBatchConfig:
     dtype: str = "bfloat16"
     save_reload: str | None = None
     warmup: int = 1
+    repeats: int = 1  # timed runs per shape: TTFT is their median, decode steps pooled
     seed: int = 0
     engine: dict = field(default_factory=dict)  # extra EngineConfig fields
     cached_prefix_len: int = 0  # P tokens per prompt served from the prefix cache (0: none)
@@ -67,6 +68,9 @@ class OneBatchConfig:
             raise ValueError("give at least one batch size and one input length")
         if min(self.batch_sizes) < 1 or min(self.input_lens) < 1 or self.output_len < 1:
             raise ValueError("batch-size, input-len and output-len must be >= 1")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {self.repeats} "
+                             f"and {self.warmup}")
         if self.backend not in ("mambaserve", "hf"):
             raise ValueError(f"unknown backend {self.backend!r}; use mambaserve or hf")
         if self.cached_prefix_len < 0:
@@ -141,7 +145,7 @@ class OneBatchResult:
     input_len: int
     output_len: int
     params: int
-    prefill_s: float  # time to first token of the whole batch (TTFT)
+    prefill_s: float  # time to first token of the whole batch (TTFT; median of the repeats)
     prefill_tokens_per_s: float
     prefill_flops: float
     prefill_mfu: float
@@ -160,6 +164,7 @@ class OneBatchResult:
     fp8_params: int = 0  # weights stored as float8 (1 byte each in the decode floor)
     cached_prefix_len: int = 0  # tokens before input_len per prompt, from the prefix cache
     cached_tokens: list[int] = field(default_factory=list)  # per prompt: what the cache served
+    prefill_runs: list[float] = field(default_factory=list)  # each timed run's TTFT
     note: str = ""
     error: str = ""
 
@@ -209,13 +214,17 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                         backend.run(b, n, min(c.output_len, 3), seed + 1000 + w)
                     except torch.OutOfMemoryError:
                         break
+                runs, steps, error = [], [], ""
                 try:
-                    prefill_s, steps = backend.run(b, n, c.output_len, seed)
-                    error = ""
+                    for r in range(c.repeats):  # fresh prompts per repeat (no prefix hits)
+                        ttft, run_steps = backend.run(b, n, c.output_len, seed + 7 * r)
+                        runs.append(ttft)
+                        steps += run_steps
                 except torch.OutOfMemoryError as e:
-                    prefill_s, steps, error = float("nan"), [], f"out of memory: {e}"[:200]
+                    runs, steps, error = [], [], f"out of memory: {e}"[:200]
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
+                prefill_s = statistics.median(runs) if runs else float("nan")
                 flops = prefill_flops(mcfg, counts, b, n)
                 step = statistics.median(steps) if steps else float("nan")
                 fp8 = getattr(backend, "fp8_params", 0)
@@ -236,8 +245,8 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                     matmul_ceiling_flops=mm["flops"], copy_ceiling_bytes_per_s=cp["bytes_per_s"],
                     load_s=backend.load_s, active_params=counts.per_token + counts.lm_head,
                     fp8_params=fp8, cached_prefix_len=c.cached_prefix_len,
-                    cached_tokens=list(getattr(backend, "cached_tokens", [])), note=note,
-                    error=error)
+                    cached_tokens=list(getattr(backend, "cached_tokens", [])),
+                    prefill_runs=runs, note=note, error=error)
                 log(format_result(r))
                 results.append(r)
     finally:
@@ -261,8 +270,11 @@ def format_result(r: OneBatchResult) -> str:
                if r.cached_prefix_len else ""))
     if r.error:
         return f"{head}\nerror: {r.error}"
+    spread = (f", median of {len(r.prefill_runs)}: {min(r.prefill_runs) * 1e3:.2f}.."
+              f"{max(r.prefill_runs) * 1e3:.2f}" if len(r.prefill_runs) > 1 else "")
     lines = [head, (
-        f"prefill: {r.prefill_s * 1e3:.2f} ms (TTFT), {r.prefill_tokens_per_s:,.0f} tokens/s, "
+        f"prefill: {r.prefill_s * 1e3:.2f} ms (TTFT{spread}), {r.prefill_tokens_per_s:,.0f} "
+        f"tokens/s, "
         f"MFU {100 * r.prefill_mfu:.1f} % of {r.matmul_ceiling_flops / 1e12:.2f} TFLOP/s "
         f"({r.prefill_flops / 1e12:.2f} TFLOP; floor {r.prefill_floor_s * 1e3:.2f} ms, "
         f"{r.prefill_s / r.prefill_floor_s:.2f}x)")]
@@ -321,6 +333,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "back (the load path at scale); default: random weights drawn on the "
                         "device at load, no checkpoint on disk")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs on the same shapes")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per shape, each on fresh prompts: the TTFT reported is their "
+                        "median (all runs listed in --out's prefill_runs), decode steps pooled")
     p.add_argument("--cached-prefix-len", type=int, default=0, metavar="P",
                    help="a follow-up turn: each prompt starts with P tokens prefilled before "
                         "(untimed) and served by the prefix cache, then --input-len timed tokens")
@@ -332,7 +347,8 @@ def run_cli(a: argparse.Namespace) -> int:
     c = OneBatchConfig(model=a.model, preset=a.preset, batch_sizes=int_list(a.batch_size),
                        input_lens=int_list(a.input_len), output_len=a.output_len,
                        backend=a.backend, device=a.device, dtype=a.dtype,
-                       save_reload=a.save_reload, warmup=a.warmup, seed=a.seed,
+                       save_reload=a.save_reload, warmup=a.warmup, repeats=a.repeats,
+                       seed=a.seed,
                        engine=parse_settings(a.engine), cached_prefix_len=a.cached_prefix_len)
     results = run_one_batch(c)
     print(format_table(results))

@@ -2,6 +2,7 @@
 run of both backends and the CLI."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -209,6 +210,21 @@ def test_one_batch_plain_prompts_are_fresh_with_the_prefix_cache_on():
                                       engine={"enable_prefix_caching": True}),
                        log=lambda *_: None)
     assert [r.cached_tokens for r in rs] == [[0], [0, 0], [0], [0, 0]]
+
+
+def test_one_batch_repeats_report_the_median_ttft_of_fresh_prompts():
+    """--repeats R: R timed runs per shape, each on prompts of its own (with the prefix cache on
+    none is a hit); TTFT is their median, every run is kept, and the decode steps are pooled."""
+    rs = run_one_batch(OneBatchConfig(preset="tiny", batch_sizes=[1], input_lens=[32],
+                                      output_len=3, dtype="float32", repeats=3,
+                                      engine={"enable_prefix_caching": True}),
+                       log=lambda *_: None)
+    (r,) = rs
+    assert len(r.prefill_runs) == 3 and r.prefill_s == statistics.median(r.prefill_runs)
+    assert len(r.decode_steps) == 3 * 2 and r.cached_tokens == [0]
+    assert "median of 3:" in format_result(r)
+    with pytest.raises(ValueError, match="--repeats must be >= 1"):
+        run_one_batch(OneBatchConfig(preset="tiny", repeats=0))
 
 
 def test_one_batch_cached_prefix_times_the_suffix_of_a_cache_hit():
