@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -67,6 +70,7 @@ class HostTimeConfig:
     engine: dict = field(default_factory=dict)
     seed: int = 0
     cached_prefix_len: int = 0  # P: each lone prompt follows a P-token history the cache serves
+    cprofile: int = 0  # > 0: the timed prefill steps under cProfile, this many functions listed
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -122,6 +126,7 @@ class HostTimer:
         self.engine, self.clock = engine, StepClock()
         self.path = ""
         self.outputs: list = []  # the last step's outputs
+        self.profile = None  # a cProfile.Profile: `step(profiled=True)` runs under it
         runner = engine.runner
         runner.section = self.clock.section
         runner.on_forward = lambda batch, meta: self._note_path(meta)
@@ -136,11 +141,16 @@ class HostTimer:
             if graphs is not None and any(meta is m for m in graphs.metas.values()):
                 self.path = name
 
-    def step(self) -> dict[str, float] | None:
+    def step(self, profiled: bool = False) -> dict[str, float] | None:
         """One engine step; its phases in seconds, None when it launched no forward."""
         self.clock.reset()
+        on = profiled and self.profile is not None
         t0 = time.perf_counter()
+        if on:
+            self.profile.enable()
         self.outputs = self.engine.step()
+        if on:
+            self.profile.disable()
         c = self.clock
         if "forward" not in c.start:
             return None
@@ -174,7 +184,7 @@ def time_prefill(timer: HostTimer, vocab: int, n: int, c: HostTimeConfig) -> Hos
         eng.add_request(f"host-prefill-{n}-{i}", {"prompt_token_ids": prompt}, params)
         first, outs = None, []
         while first is None:
-            first = timer.step()
+            first = timer.step(profiled=i >= c.warmup)
             outs += timer.outputs
         path = timer.path
         while eng.has_unfinished_requests():
@@ -240,10 +250,14 @@ def run_host_time(c: HostTimeConfig, log=print) -> list[HostTimeResult]:
         eng = LLMEngine(path, EngineConfig(**kw))
         vocab = eng.model_config.vocab_size
         timer = HostTimer(eng)
+        if c.cprofile:
+            timer.profile = cProfile.Profile()
         try:
             for n in c.input_lens:
                 results.append(time_prefill(timer, vocab, n, c))
                 log(format_result(results[-1]))
+            if timer.profile is not None:  # before the decode scenarios (not profiled)
+                log(profile_table(timer.profile, c.cprofile))
             for b in c.decode_batches:
                 results.append(time_decode(timer, vocab, b, c))
                 log(format_result(results[-1]))
@@ -254,6 +268,15 @@ def run_host_time(c: HostTimeConfig, log=print) -> list[HostTimeResult]:
         if tmp is not None:
             tmp.cleanup()
     return results
+
+
+def profile_table(profile: cProfile.Profile, top: int) -> str:
+    """The profiled steps' functions with the most own time, then the most time inside."""
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
 
 
 def format_result(r: HostTimeResult) -> str:
@@ -276,6 +299,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cached-prefix-len", type=int, default=0,
                    help="a follow-up turn: each lone prompt follows a history of this many "
                         "tokens, prefilled before (untimed) and served by the prefix cache")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="run the timed prefill steps under cProfile and print its N functions "
+                        "with the most own time and the N with the most time inside (the "
+                        "profiler slows the host: phases measured with it are not comparable)")
     p.add_argument("--out", default=None, help="write the results as a JSON list")
 
 
@@ -284,7 +311,7 @@ def run_cli(a: argparse.Namespace) -> int:
                        input_lens=int_list(a.input_len), decode_batches=int_list(a.decode_batch),
                        repeats=a.repeats, warmup=a.warmup, device=a.device, dtype=a.dtype,
                        engine=parse_settings(a.engine), seed=a.seed,
-                       cached_prefix_len=a.cached_prefix_len)
+                       cached_prefix_len=a.cached_prefix_len, cprofile=a.cprofile)
     results = run_host_time(c)
     if a.out:
         Path(a.out).write_text(json.dumps([asdict(r) for r in results], indent=1))

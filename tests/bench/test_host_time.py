@@ -91,3 +91,14 @@ def test_cli_writes_json(tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [r["scenario"] for r in rows] == ["prefill 16", "decode 1"]
     assert "prefix" in capsys.readouterr().out
+
+
+def test_cprofile_lists_the_profiled_prefill_steps(capsys):
+    """--cprofile N: the timed prefill steps ran under cProfile; its two tables follow them."""
+    assert main(["bench", "host", "--preset", "nemotron-nano-9b-v2", "--narrow", "--device",
+                 "cpu", "--dtype", "float32", "--input-len", "16", "--decode-batch", "1",
+                 "--repeats", "1", "--warmup", "0", "--engine", "enforce_eager=true",
+                 "--cprofile", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "Ordered by: internal time" in out and "Ordered by: cumulative time" in out
+    assert "runner.py" in out and "due to restriction <5>" in out
