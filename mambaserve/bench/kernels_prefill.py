@@ -24,16 +24,26 @@ from mambaserve.ops.triton import tuning
 # (block_t, block_d, num_warps, lookahead) of the conv launch; the table has 16, 512, 4, 4
 CONV_SWEEP = [(16, 512, 4, 0), (16, 512, 4, 2), (8, 512, 4, 4), (32, 512, 4, 4), (16, 256, 2, 4),
               (16, 1024, 8, 4)]
-# launch S: (block_p_state, block_n_state, num_warps_state); the smaller blocks give one
-# sequence's scan (a grid of heads x blocks, 128 programs at the 9B's default) more programs;
-# P blocks of 16 divide the 9B's head_dim of 80 (64 leaves a second block 3/4 empty)
+# launch S: (block_p_state, block_n_state, num_warps_state[, block_l_state, num_stages_state]);
+# the smaller blocks give one sequence's scan (a grid of heads x blocks, 128 programs at the 9B's
+# default) more programs; P blocks of 16 divide the 9B's head_dim of 80 (64 leaves a second
+# block 3/4 empty); token blocks below the chunk (block_l) loop over the chunk in smaller dots,
+# which num_stages > 1 lets the compiler pipeline (the next block's loads under this one's dot)
 SSD_STATE_SWEEP = [(64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 32, 4),
                    (32, 64, 4), (32, 128, 4), (16, 128, 4), (16, 64, 4), (32, 128, 8),
-                   (32, 128, 2), (16, 128, 2)]
-# launch C: (block_m_scan, block_p_scan, block_k_scan, num_warps_scan, num_stages_scan)
+                   (32, 128, 2), (16, 128, 2),
+                   (64, 128, 4, 64, 2), (64, 128, 4, 64, 3), (64, 128, 4, 128, 2),
+                   (64, 128, 8, 64, 2), (64, 128, 8, 64, 3), (64, 128, 4, 32, 3),
+                   (32, 128, 4, 64, 2), (32, 128, 8, 64, 3), (128, 128, 8, 64, 2),
+                   (64, 64, 4, 64, 2), (16, 128, 4, 64, 3)]
+# launch C: (block_m_scan, block_p_scan, block_k_scan, num_warps_scan, num_stages_scan); P
+# blocks below 128 split the 9B's head_dim of 80 over more programs (less padding, more
+# programs re-reading the C·Bᵀ tiles)
 SSD_SCAN_SWEEP = [(64, 128, 32, 4, 3), (64, 128, 64, 4, 2), (32, 128, 32, 4, 2),
                   (64, 128, 32, 8, 2), (128, 128, 32, 4, 2), (64, 128, 16, 4, 3),
-                  (32, 128, 32, 2, 2), (64, 128, 32, 4, 1)]
+                  (32, 128, 32, 2, 2), (64, 128, 32, 4, 1),
+                  (64, 64, 16, 4, 3), (64, 32, 16, 4, 3), (64, 16, 16, 4, 3),
+                  (128, 64, 16, 4, 3), (128, 32, 16, 8, 3), (32, 64, 16, 4, 3)]
 # tiled attention variants: (name, knobs); the table has 128-row tiles, BLOCK_N from the page
 ATTN_SWEEP = [("triton tiled m64", {"block_m": 64}), ("triton tiled n128", {"block_n": 128}),
               ("triton tiled 8w", {"num_warps": 8})]
@@ -165,9 +175,12 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
 
         variants = [("triton", {}, 4)]
         if sweep:
-            variants += [(f"state bp{bp} bn{bn} w{nw}",
-                          {"block_p_state": bp, "block_n_state": bn, "num_warps_state": nw}, 4)
-                         for bp, bn, nw in SSD_STATE_SWEEP]
+            for bp, bn, nw, *rest in SSD_STATE_SWEEP:
+                bl, ns = rest or (None, 1)
+                variants.append((f"state bp{bp} bn{bn} w{nw}" + (f" l{bl} s{ns}" if rest else ""),
+                                 {"block_p_state": bp, "block_n_state": bn,
+                                  "num_warps_state": nw, "block_l_state": bl,
+                                  "num_stages_state": ns}, 4))
             variants += [(f"scan m{bm} bp{bp} k{bk} w{nw} s{ns}",
                           {"block_m_scan": bm, "block_p_scan": bp, "block_k_scan": bk,
                            "num_warps_scan": nw, "num_stages_scan": ns}, 4)
