@@ -216,6 +216,11 @@ def resolve_device(name: str | torch.device) -> str:
 # steady prefill cap slices arrivals into graph-sized pieces beside running decodes
 # (docs/benchmarks.md: serving ITL p99 and short-prompt TTFT)
 DEFAULT_PREFILL_GRAPH_TOKENS = 256
+# prefill tokens of the largest prefill-only graph (a lone prompt, nothing decoding beside it)
+# by default: eagerly such a step is bound by the host's ~1,000 launches wherever the model's
+# device time is short (Granite-micro 1x2048: ~37 ms of launches for ~23 ms of device time,
+# docs/benchmarks.md run 14); a fresh lone prompt's graph runs its attention dense
+DEFAULT_SOLO_GRAPH_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,10 @@ class EngineConfig:
     # when graphs are on (engine/prefill_graph.py; prefill-only steps up to twice as many); 0 =
     # those steps always run eagerly; None = DEFAULT_PREFILL_GRAPH_TOKENS on CUDA, 0 elsewhere
     cuda_graph_max_prefill_tokens: int | None = None
+    # prefill-only steps (a lone prompt) with at most this many tokens replay graphs when
+    # prefill graphs are on; None = max(DEFAULT_SOLO_GRAPH_TOKENS, 2 x the bound above); never
+    # above chunked_prefill_size
+    cuda_graph_max_solo_tokens: int | None = None
     # "auto": safetensors weights; "dummy": random weights at the config's shapes (benchmarks)
     load_format: str = "auto"
     # overlap scheduling (docs/architecture.md, "The step loop"): None = on when the device is
@@ -297,6 +306,9 @@ class EngineConfig:
         check(self.cuda_graph_max_prefill_tokens is None or self.cuda_graph_max_prefill_tokens >= 0,
               "cuda_graph_max_prefill_tokens",
               f"must be >= 0 (0 = off), got {self.cuda_graph_max_prefill_tokens}")
+        check(self.cuda_graph_max_solo_tokens is None or self.cuda_graph_max_solo_tokens >= 0,
+              "cuda_graph_max_solo_tokens",
+              f"must be >= 0, got {self.cuda_graph_max_solo_tokens}")
         check(self.max_step_prefill_tokens >= 1, "max_step_prefill_tokens",
               f"must be >= 1, got {self.max_step_prefill_tokens}")
         check(self.steady_step_prefill_tokens is None or self.steady_step_prefill_tokens >= 1,
@@ -389,6 +401,10 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
         type=int, help="steps whose prefill part has at most this many tokens (up to 4 prefill "
                        "rows, plus decode rows; prefill-only steps twice as many) replay CUDA "
                        "graphs too; 0 = they run eagerly (default: 256 on a GPU, 0 on a CPU)")),
+    "cuda_graph_max_solo_tokens": ("--cuda-graph-max-solo-tokens", dict(
+        type=int, help="prefill-only steps (a lone prompt) of at most this many tokens replay "
+                       "CUDA graphs when prefill graphs are on (default: the larger of 2048 "
+                       "and twice --cuda-graph-max-prefill-tokens)")),
     "load_format": ("--load-format", dict(
         choices=["auto", "dummy"], help="auto: safetensors weights; dummy: random weights at "
                                         "the config's shapes (benchmarks; the model folder "

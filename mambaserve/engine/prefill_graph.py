@@ -28,6 +28,12 @@ Design (docs/cuda_graphs.md, "Prefill and mixed steps"):
   whole state per padding entry. Prefill snapshots run inside the graph with a fixed count
   (destination -1 = none, the Triton slot copy skips it).
 - Logits of the real logit rows come first, in the eager order, in a shared static buffer.
+- A fresh lone prompt (one row from position 0, nothing decoding beside it) of a prefill-only
+  bucket of at least DENSE_MIN_TOKENS tokens replays a variant of that bucket, key (tokens, 0,
+  DENSE), whose attention runs dense (torch SDPA, flash attention) over the whole prefill part
+  as one causal row: the real tokens come first and see only each other, the padding tokens
+  after them are never read. Any other step of the bucket keeps the paged kernels. Captured
+  when the model's attention is dense-capable (`dense_capable`: 16-bit, a flash head size).
 
 On a CPU (tests) the same static-buffer path runs without capture (`capture=False`).
 """
@@ -45,10 +51,11 @@ import torch
 
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_graph
-from mambaserve.engine.prefill_template import SoloTemplates
+from mambaserve.engine.prefill_template import SoloTemplates, fresh_lone_prompt
 from mambaserve.host_upload import copy_into, layout, views
 from mambaserve.metadata import ForwardMetadata, HostMetadata, PrefillMetadata, plan_metadata
 from mambaserve.ops.dispatch import kernel_path
+from mambaserve.ops.paged_attention import DENSE_MIN_TOKENS, dense_prefill_enabled
 from mambaserve.ops.state_snapshot import restore_snapshots
 
 logger = logging.getLogger("mambaserve")
@@ -56,6 +63,7 @@ logger = logging.getLogger("mambaserve")
 MAX_PREFILL_ROWS = 4  # real prefill rows a graph holds (one more padding row)
 MAX_MIXED_DECODES = 64  # decode rows next to a prefill part; larger mixed steps run eagerly
 _I64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
+DENSE = "dense"  # the last element of a fresh lone prompt's dense-attention bucket key
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -268,13 +276,16 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
 
 
 def bucket_metadata(parts: dict[str, torch.Tensor], b: PrefillBucket, *,
-                    max_kv_len: int) -> ForwardMetadata:
+                    max_kv_len: int, dense: bool = False) -> ForwardMetadata:
     """The captured metadata of bucket `b` over its views `parts` of the static buffer. No
-    restore runs inside (num_restores = 0): the runner copies them before the replay."""
+    restore runs inside (num_restores = 0): the runner copies them before the replay. `dense`:
+    the prefill part is one fresh row for the attention (a fresh lone prompt's variant: its
+    real tokens, then the padding tokens no real token sees)."""
     t, P = parts, b.rows
     prefill = PrefillMetadata(
         num_rows=P, num_tokens=b.tokens, num_chunks=b.chunks, num_snapshots=b.num_snapshots,
         num_restores=0, state_slots=t["state_slots"][:P],
+        row_spans=((0, b.tokens, 0),) if dense else None,
         restore_src=t["restore_src"][:0], restore_dst=t["restore_dst"][:0],
         **{n: t[n] for n in ("has_initial_state", "conv_window_idx", "conv_state_idx",
                              "chunk_token_idx", "token_chunk_pos", "row_chunks",
@@ -293,9 +304,12 @@ class PrefillGraphRunner:
     def __init__(self, model: torch.nn.Module, state_pool, kv_pool, *, max_tokens: int,
                  max_decodes: int, max_model_len: int, snapshots: bool, device: torch.device,
                  max_prefill_rows: int = MAX_PREFILL_ROWS, capture: bool = True,
-                 max_workspace_bytes: int = 8 << 30, max_solo_tokens: int | None = None) -> None:
+                 max_workspace_bytes: int = 8 << 30, max_solo_tokens: int | None = None,
+                 dense_solo: bool | None = None) -> None:
         """max_tokens: the prefill part of a step with decode rows; max_solo_tokens (>=
-        max_tokens, default max_tokens): that of a prefill-only step."""
+        max_tokens, default max_tokens): that of a prefill-only step; dense_solo: the fresh lone
+        prompts' dense-attention variants of the prefill-only buckets of >= DENSE_MIN_TOKENS
+        tokens (None: where `dense_capable`)."""
         self.model, self.state_pool, self.kv_pool = model, state_pool, kv_pool
         self.device = torch.device(device)
         cfg = model.cfg
@@ -319,25 +333,36 @@ class PrefillGraphRunner:
                 self.buckets[tokens, decodes] = PrefillBucket(
                     tokens, decodes, max_prefill_rows + 1, self.chunk_size, self.conv_kernel,
                     self.max_pages, snapshots)
+        if dense_solo is None:
+            dense_solo = dense_capable(model, self.device)
+        for tokens in self.solo_buckets if dense_solo else ():
+            if tokens >= DENSE_MIN_TOKENS and (tokens, 0) in self.buckets:
+                self.buckets[tokens, 0, DENSE] = self.buckets[tokens, 0]
         size = max((b.nbytes for b in self.buckets.values()), default=8)
         self.buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
         self.parts = {k: views(self.buf, b.specs) for k, b in self.buckets.items()}
-        self.metas = {k: bucket_metadata(self.parts[k], b, max_kv_len=self.max_kv_len)
+        self.metas = {k: bucket_metadata(self.parts[k], b, max_kv_len=self.max_kv_len,
+                                         dense=k[-1] == DENSE)
                       for k, b in self.buckets.items()}
         self.logits = torch.zeros(max_prefill_rows + max(self.decode_buckets), cfg.vocab_size,
                                   dtype=torch.float32, device=self.device)
         self.capture_enabled = capture and self.device.type == "cuda"
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._loaded: tuple[tuple[int, int], int] | None = None  # (bucket, real logit rows)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._loaded: tuple[tuple, int] | None = None  # (bucket key, real logit rows)
         self.templates = SoloTemplates(self.page_size)  # fresh lone prompts' packed steps
 
     # ---- routing ----------------------------------------------------------------------------
-    def bucket_of(self, batch: Batch) -> tuple[int, int] | None:
+    def bucket_of(self, batch: Batch) -> tuple | None:
+        """The key of the step's bucket: (tokens, decodes), or (tokens, 0, DENSE) for a fresh
+        lone prompt where that variant exists; None when no bucket fits."""
         tokens = smallest_at_least(self.token_buckets if batch.decodes else self.solo_buckets,
                                    batch.num_prefill_tokens)
         decodes = smallest_at_least(self.decode_buckets, len(batch.decodes))
         key = (tokens, decodes)
-        return key if key in self.buckets else None
+        if key not in self.buckets:
+            return None
+        dense = (tokens, decodes, DENSE)
+        return dense if dense in self.buckets and fresh_lone_prompt(batch) else key
 
     def can_run(self, batch: Batch) -> bool:
         """A prefill part of at most max_prefill_rows rows and the largest token bucket, decode
@@ -366,7 +391,7 @@ class PrefillGraphRunner:
         prefix-cache restores; returns the bucket's metadata."""
         return self.load_planned(*self.plan(batch))
 
-    def plan(self, batch: Batch) -> tuple[tuple[int, int], HostMetadata]:
+    def plan(self, batch: Batch) -> tuple[tuple, HostMetadata]:
         """The host side of `load`: the step's bucket and its eager metadata, or for a fresh lone
         prompt a template's stub carrying the packed bytes (engine/prefill_template.py); under
         tensor parallelism rank 0 plans once and every rank loads it with `load_planned`."""
@@ -381,7 +406,7 @@ class PrefillGraphRunner:
             batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel, page_size=ps,
             scratch_page=sp), pack_own)
 
-    def load_planned(self, key: tuple[int, int], host: HostMetadata,
+    def load_planned(self, key: tuple, host: HostMetadata,
                      staged: torch.Tensor | None = None) -> ForwardMetadata:
         """Load `plan`'s metadata into bucket `key` and copy its restores. `staged`: the bucket's
         bytes (`step_bytes`) already on the device, uploaded in the step's one copy with the
@@ -398,7 +423,7 @@ class PrefillGraphRunner:
         self._loaded = (key, len(host.arrays["logits_idx"]))
         return self.metas[key]
 
-    def step_bytes(self, key: tuple[int, int], host: HostMetadata | None) -> np.ndarray:
+    def step_bytes(self, key: tuple, host: HostMetadata | None) -> np.ndarray:
         """The bytes of bucket `key`'s static buffer for the step planned as `host` (None: all
         padding, for capture); a template's stub (`prefill_template.py`) carries them."""
         if host is not None and host.packed is not None:
@@ -416,11 +441,11 @@ class PrefillGraphRunner:
             self._forward(key)
         return self.logits[:n]
 
-    def _load_padding(self, key: tuple[int, int]) -> None:
+    def _load_padding(self, key: tuple) -> None:
         """An all-padding step in bucket `key` (capture)."""
         copy_into(self.step_bytes(key, None), self.buf)
 
-    def _forward(self, key: tuple[int, int]) -> None:
+    def _forward(self, key: tuple) -> None:
         out = self.model(self.metas[key], self.state_pool.conv_state, self.state_pool.ssm_state,
                          self.kv_pool.kv_cache)
         self.logits[: out.shape[0]].copy_(out)
@@ -442,8 +467,22 @@ class PrefillGraphRunner:
             self.graphs[key] = capture_graph(lambda k=key: self._forward(k), self.device, pool)
         torch.cuda.synchronize(self.device)
         used = free0 - torch.cuda.mem_get_info(self.device)[0]
+        dense = sum(k[-1] == DENSE for k in self.graphs)
         logger.info("CUDA graphs captured for %d prefill / mixed steps in %.1f s (%.0f MiB): "
-                    "prefill tokens %s x decode rows %s (prefill-only: up to %d tokens), up to "
-                    "%d prefill rows", len(self.graphs), time.perf_counter() - t0, used / 2**20,
-                    self.token_buckets, self.decode_buckets, self.solo_buckets[-1],
+                    "prefill tokens %s x decode rows %s (prefill-only: up to %d tokens; %d "
+                    "with dense attention for fresh lone prompts), up to %d prefill rows",
+                    len(self.graphs), time.perf_counter() - t0, used / 2**20,
+                    self.token_buckets, self.decode_buckets, self.solo_buckets[-1], dense,
                     self.max_prefill_rows)
+
+
+def dense_capable(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a fresh lone prompt's graph may run its attention dense: a CUDA device, attention
+    layers, 16-bit weights, a head size flash attention serves, and the dense path not switched
+    off (ops/paged_attention.py)."""
+    cfg = model.cfg
+    if device.type != "cuda" or not cfg.attention_layer_ids:
+        return False
+    emb = getattr(model, "embed_tokens", None) or getattr(model, "embeddings", None)
+    dtype = (emb.weight if emb is not None else next(model.parameters())).dtype  # activations
+    return dense_prefill_enabled(dtype, cfg.head_dim)

@@ -47,13 +47,20 @@ class _Template:
     offset: np.ndarray  # per token: its slot inside that page
 
 
-def solo_key(bucket: tuple[int, int], batch: Batch) -> tuple | None:
-    """The template key of a fresh lone prompt's step in `bucket`; None for any other step."""
+def fresh_lone_prompt(batch: Batch) -> bool:
+    """One prefill row from position 0 with no initial state and no restore, nothing decoding
+    beside it: a new request's first step on an otherwise idle engine."""
     if batch.decodes or len(batch.prefills) != 1:
+        return False
+    r = batch.prefills[0]
+    return not (r.start or r.has_initial_state or r.restore_from >= 0)
+
+
+def solo_key(bucket: tuple, batch: Batch) -> tuple | None:
+    """The template key of a fresh lone prompt's step in `bucket`; None for any other step."""
+    if not fresh_lone_prompt(batch):
         return None
     r = batch.prefills[0]
-    if r.start or r.has_initial_state or r.restore_from >= 0:
-        return None
     return (bucket, r.num_tokens, len(r.pages), tuple(r.logits_positions),
             tuple(pos for pos, _ in r.snapshots))
 
@@ -63,7 +70,7 @@ class SoloTemplates:
         self.page_size, self.max_templates = page_size, max_templates
         self._by_key: dict[tuple, _Template] = {}
 
-    def plan(self, bucket: tuple[int, int], batch: Batch, plan_full: Callable[[], HostMetadata],
+    def plan(self, bucket: tuple, batch: Batch, plan_full: Callable[[], HostMetadata],
              pack: Callable[[HostMetadata], tuple[np.ndarray, dict[str, np.ndarray]]]
              ) -> HostMetadata:
         """The step's host side. A fresh lone prompt of a known key: the key's stub, its bytes

@@ -19,6 +19,7 @@ from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.state_pool import StatePool
 from mambaserve.config import (
     DEFAULT_PREFILL_GRAPH_TOKENS,
+    DEFAULT_SOLO_GRAPH_TOKENS,
     EngineConfig,
     ModelConfig,
     resolve_dtype,
@@ -114,11 +115,22 @@ def pool_sizes(cfg: ModelConfig, c: EngineConfig, dtype: torch.dtype, ssm_dtype:
     return int(num_slots), int(num_pages)
 
 
-# A prefill-only step (a lone prompt: nothing decodes beside it) replays a graph up to this many
-# times cuda_graph_max_prefill_tokens: eagerly, a 512-token prompt of the 9B is bound by the
-# host's ~1,000 launches (22-44 ms against 15.8 ms replayed, docs/benchmarks.md), while the
-# steps with decode rows keep the bound, which is also the serving slice (`_steady_prefill_cap`)
+# A prefill-only step (a lone prompt: nothing decoding beside it) replays a graph up to at least
+# this many times cuda_graph_max_prefill_tokens (DEFAULT_SOLO_GRAPH_TOKENS by default): eagerly,
+# a 512-token prompt of the 9B is bound by the host's ~1,000 launches (22-44 ms against 15.8 ms
+# replayed, docs/benchmarks.md), while the steps with decode rows keep the bound, which is also
+# the serving slice (`_steady_prefill_cap`)
 SOLO_PREFILL_GRAPH_FACTOR = 2
+
+
+def solo_graph_tokens(config: EngineConfig, bound: int) -> int:
+    """The largest prefill-only graph: cuda_graph_max_solo_tokens as set (at least `bound`), else
+    the larger of DEFAULT_SOLO_GRAPH_TOKENS and SOLO_PREFILL_GRAPH_FACTOR x bound; never above
+    chunked_prefill_size."""
+    solo = config.cuda_graph_max_solo_tokens
+    if solo is None:
+        solo = max(DEFAULT_SOLO_GRAPH_TOKENS, SOLO_PREFILL_GRAPH_FACTOR * bound)
+    return min(max(solo, bound), config.chunked_prefill_size)
 
 
 def prefill_graph_tokens(config: EngineConfig, device: torch.device) -> int:
@@ -132,7 +144,7 @@ def prefill_graph_tokens(config: EngineConfig, device: torch.device) -> int:
 def prefill_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int):
     """Prefill / mixed-step graphs (engine/prefill_graph.py), captured into the decode graphs'
     memory pool: prefill parts up to cuda_graph_max_prefill_tokens (no more than a step's token
-    budget), prefill-only steps up to twice that (SOLO_PREFILL_GRAPH_FACTOR), decode rows up to
+    budget), prefill-only steps up to `solo_graph_tokens`, decode rows up to
     the decode graphs' largest bucket (at most MAX_MIXED_DECODES)."""
     from mambaserve.engine.prefill_graph import MAX_MIXED_DECODES, PrefillGraphRunner
 
@@ -140,7 +152,7 @@ def prefill_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int
     graphs = PrefillGraphRunner(
         runner.model, runner.state_pool, runner.kv_pool,
         max_tokens=min(bound, config.chunked_prefill_size),
-        max_solo_tokens=min(SOLO_PREFILL_GRAPH_FACTOR * bound, config.chunked_prefill_size),
+        max_solo_tokens=solo_graph_tokens(config, bound),
         max_decodes=min(runner.graph_runner.max_bs, MAX_MIXED_DECODES),
         max_model_len=max_model_len, snapshots=config.enable_prefix_caching,
         device=runner.device)

@@ -48,6 +48,13 @@ def flash_shaped(q: torch.Tensor) -> bool:
         and q.shape[-1] <= 256
 
 
+def dense_prefill_enabled(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether fresh prefill rows of queries of this dtype and head size may run dense: flash-
+    shaped, and MAMBASERVE_DENSE_PREFILL not "0"."""
+    return flash_shaped(torch.empty(0, head_dim, dtype=dtype, device="meta")) and \
+        os.environ.get(DENSE_PREFILL_ENV, "1") != "0"
+
+
 def prefill_segments(row_spans: tuple[tuple[int, int, int], ...], num_prefill_tokens: int,
                      min_tokens: int) -> list[tuple[int, int, int]]:
     """The prefill tokens [0, num_prefill_tokens) cut into runs of consecutive rows, in order:
@@ -130,8 +137,7 @@ def paged_attention(
         if out is None:
             out = torch.empty_like(q)  # each kernel writes its own rows: no concatenation
         segments = [(0, Tp, 0)]
-        if dense is not None and flash_shaped(q) and os.environ.get(DENSE_PREFILL_ENV,
-                                                                    "1") != "0":
+        if dense is not None and dense_prefill_enabled(q.dtype, q.shape[-1]):
             segments = prefill_segments(dense.row_spans, Tp, DENSE_MIN_TOKENS)
         for a, b, L in segments:
             if L:

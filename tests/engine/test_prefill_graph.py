@@ -12,7 +12,9 @@ from family_checkpoints import MAKERS
 
 from mambaserve import LLM, SamplingParams
 from mambaserve.engine.batch import Batch, Row
+from mambaserve.engine import prefill_graph
 from mambaserve.engine.prefill_graph import (
+    DENSE,
     PrefillBucket,
     PrefillGraphRunner,
     decode_buckets,
@@ -246,6 +248,48 @@ def test_prefill_only_steps_have_their_own_bound(engine):
     assert not graphs.can_run(Batch([row(_ids(65, 6), 0, 0, False, _pages(0, 5))], []))
 
 
+def test_fresh_lone_prompts_replay_a_dense_attention_variant(engine, monkeypatch):
+    """dense_solo: each prefill-only bucket of >= DENSE_MIN_TOKENS tokens gets a variant whose
+    captured metadata makes the whole prefill part one fresh row for the attention (dense on a
+    GPU); only a fresh lone prompt routes there, and its padded forward is eager's."""
+    monkeypatch.setattr(prefill_graph, "DENSE_MIN_TOKENS", 32)
+    sp, kv, model = engine.state_pool, engine.kv_pool, engine.model
+    graphs = PrefillGraphRunner(model, sp, kv, max_tokens=16, max_decodes=2, max_model_len=64,
+                                snapshots=True, device="cpu", max_solo_tokens=64,
+                                dense_solo=True)
+    assert sorted(k for k in graphs.buckets if k[-1] == DENSE) == [(32, 0, DENSE),
+                                                                   (64, 0, DENSE)]
+    assert graphs.buckets[32, 0, DENSE] is graphs.buckets[32, 0]
+    assert graphs.metas[64, 0, DENSE].prefill.row_spans == ((0, 64, 0),)
+    assert graphs.metas[64, 0].prefill.row_spans is None
+    fresh = Batch([row(_ids(20, 3), 0, 0, False, _pages(0, 5))], [])
+    assert graphs.bucket_of(fresh) == (32, 0, DENSE)
+    assert graphs.bucket_of(Batch([row(_ids(10, 3), 0, 0, False, _pages(0, 3))], [])) == (16, 0)
+    suffix = Batch([row(_ids(20, 4), 16, 0, True, _pages(0, 9), restore=5)], [])
+    assert graphs.bucket_of(suffix) == (32, 0)  # a cached prefix: the paged kernels
+    two = Batch([row(_ids(20, 5), 0, 0, False, _pages(0, 5)),
+                 row(_ids(9, 6), 0, 1, False, _pages(5, 3))], [])
+    assert graphs.bucket_of(two) == (32, 0)
+    assert not any(k[-1] == DENSE for k in PrefillGraphRunner(
+        model, sp, kv, max_tokens=16, max_decodes=2, max_model_len=64, snapshots=True,
+        device="cpu", max_solo_tokens=64).buckets)  # float32 on a CPU: not dense-capable
+    pools = (sp.conv_state, sp.ssm_state, kv.kv_cache)
+    g = torch.Generator().manual_seed(2)
+    for t in pools:
+        t.copy_(0.5 * torch.randn(t.shape, generator=g))
+    start = [t.clone() for t in pools]
+    cfg = model.cfg
+    with torch.inference_mode():
+        meta = build_metadata(fresh, chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
+                              page_size=PS, scratch_page=kv.scratch_page, device="cpu")
+        eager = model(meta, *pools)
+        for t, s in zip(pools, start):
+            t.copy_(s)
+        assert graphs.load(fresh) is graphs.metas[32, 0, DENSE]
+        logits = graphs.replay()
+    torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
+
+
 def test_capture_batches_touch_only_scratch_memory(engine):
     sp, kv = engine.state_pool, engine.kv_pool
     g = torch.Generator().manual_seed(1)
@@ -414,3 +458,34 @@ def test_replayed_graph_matches_eager_forward_on_gpu(tiny_ckpt, name):
                                atol=1e-4)
     torch.testing.assert_close(kv.kv_cache[:, :, :-1], eager_pools[2][:, :, :-1], rtol=1e-4,
                                atol=1e-4)
+
+
+@gpu
+def test_dense_variant_matches_eager_on_gpu(tiny_ckpt, falcon_ckpt):
+    """A fresh lone prompt of 300 tokens in bf16 replays its 512-token bucket's dense variant
+    (torch SDPA over the padded prefill part inside the graph): the logits and the KV pages as
+    the eager forward (dense SDPA over the 300 tokens) leaves them."""
+    for ckpt in (tiny_ckpt, falcon_ckpt):
+        eng = LLM(ckpt, device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=2,
+                  page_size=16, enforce_eager=True, memory_budget_bytes=256 << 20).engine
+        sp, kv, model = eng.state_pool, eng.kv_pool, eng.model
+        graphs = PrefillGraphRunner(model, sp, kv, max_tokens=256, max_decodes=1,
+                                    max_model_len=512, snapshots=False, device=eng.device,
+                                    max_solo_tokens=512)
+        assert (512, 0, DENSE) in graphs.buckets  # bf16 attention on a GPU: dense-capable
+        graphs.capture()
+        batch = Batch([row(_ids(300, 7), 0, 0, False, _pages(0, 19))], [])
+        assert graphs.bucket_of(batch) == (512, 0, DENSE)
+        pools = (sp.conv_state, sp.ssm_state, kv.kv_cache)
+        cfg = model.cfg
+        with torch.inference_mode():
+            meta = build_metadata(batch, chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
+                                  page_size=16, scratch_page=kv.scratch_page, device="cuda")
+            eager = model(meta, *pools).float().clone()
+            eager_kv = kv.kv_cache[:, :, :19].clone()
+            kv.kv_cache.zero_()
+            graphs.load(batch)
+            logits = graphs.replay().float().clone()
+        scale = eager.abs().max().item()
+        torch.testing.assert_close(logits, eager, rtol=0, atol=2e-2 * scale)
+        torch.testing.assert_close(kv.kv_cache[:, :, :19], eager_kv, rtol=0, atol=0)
