@@ -114,25 +114,26 @@ def parse_settings(text: str | None) -> dict:
         key, value = (s.strip() for s in item.split("=", 1))
         if key not in fields:
             raise ValueError(f"unknown engine setting {key!r}; known: {sorted(fields)}")
-        default = getattr(EngineConfig(), key)
-        out[key] = _typed(key, value, default)
+        out[key] = _typed(key, value, str(fields[key].type))
     return out
 
 
-def _typed(key: str, value: str, default):
-    if value.lower() in ("none", "null"):
+def _typed(key: str, value: str, annotation: str):
+    """`value` as the field's annotated type ("bool | None", "int", "float", "str | None", ...)."""
+    kinds = {k.strip() for k in annotation.split("|")}
+    if value.lower() in ("none", "null") and "None" in kinds:
         return None
-    if isinstance(default, bool) or key in ("enforce_eager", "async_scheduling"):  # bool | None
+    if "bool" in kinds:
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError(f"{key} takes true/false, got {value!r}")
         return value.lower() in ("true", "1", "yes")
-    if isinstance(default, int) or key in ("max_model_len", "memory_budget_bytes",
-                                           "mamba_snapshot_interval",
-                                           "cuda_graph_max_prefill_tokens",
-                                           "steady_step_prefill_tokens"):
-        return int(value)
-    if isinstance(default, float):
-        return float(value)
+    try:
+        if "int" in kinds:
+            return int(value)
+        if "float" in kinds:
+            return float(value)
+    except ValueError:
+        raise ValueError(f"{key} takes a number, got {value!r}") from None
     return value
 
 

@@ -40,6 +40,11 @@ def test_parse_settings_types_values_by_field():
                  "gpu_memory_utilization": 0.5}
     assert parse_settings("") == {} and parse_settings(None) == {}
     assert parse_settings("max_model_len=64") == {"max_model_len": 64}
+    # every optional number is typed from the field's annotation, none listed by hand
+    assert parse_settings("cuda_graph_max_solo_tokens=512,quantization=fp8") == {
+        "cuda_graph_max_solo_tokens": 512, "quantization": "fp8"}
+    with pytest.raises(ValueError, match="takes a number"):
+        parse_settings("cuda_graph_max_bs=many")
     with pytest.raises(ValueError, match="unknown engine setting"):
         parse_settings("no_such=1")
     with pytest.raises(ValueError, match="key=value"):
