@@ -93,6 +93,7 @@ def test_every_engine_field_has_a_flag():
             "--mamba-ssm-dtype", "bfloat16", "--enable-prefix-caching",
             "--mamba-snapshot-interval", "64", "--seed", "9", "--enforce-eager",
             "--cuda-graph-max-bs", "8", "--cuda-graph-max-prefill-tokens", "64",
+            "--cuda-graph-max-solo-tokens", "128",
             "--load-format", "dummy", "--async-scheduling",
             "--max-step-prefill-tokens", "128", "--quantization", "fp8",
             "--quantization-exclude", "lm_head,*.o_proj", "--tensor-parallel-size", "2",
@@ -102,7 +103,8 @@ def test_every_engine_field_has_a_flag():
                         gpu_memory_utilization=0.5, mamba_ssm_dtype="bfloat16",
                         enable_prefix_caching=True, mamba_snapshot_interval=64, seed=9,
                         enforce_eager=True, cuda_graph_max_bs=8,
-                        cuda_graph_max_prefill_tokens=64, load_format="dummy",
+                        cuda_graph_max_prefill_tokens=64, cuda_graph_max_solo_tokens=128,
+                        load_format="dummy",
                         async_scheduling=True, max_step_prefill_tokens=128,
                         quantization="fp8", quantization_exclude="lm_head,*.o_proj",
                         tensor_parallel_size=2, steady_step_prefill_tokens=32)

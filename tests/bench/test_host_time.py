@@ -45,9 +45,10 @@ def _run(engine: dict) -> dict:
 
 
 def test_cpu_run_times_each_path_and_its_phases():
-    graphs = _run({"enforce_eager": False, "cuda_graph_max_prefill_tokens": 32})
+    graphs = _run({"enforce_eager": False, "cuda_graph_max_prefill_tokens": 32,
+                   "cuda_graph_max_solo_tokens": 64})
     assert graphs["prefill 8"].path == "prefill graph"
-    assert graphs["prefill 80"].path == "eager"  # above the largest prefill bucket (2 x 32)
+    assert graphs["prefill 80"].path == "eager"  # above the largest prefill-only bucket
     assert graphs["decode 2"].path == "decode graph"
     for r in graphs.values():
         us = r.us
