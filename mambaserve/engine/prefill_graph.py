@@ -41,19 +41,17 @@ On a CPU (tests) the same static-buffer path runs without capture (`capture=Fals
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
 
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_graph
+from mambaserve.engine.prefill_bucket import PrefillBucket, bucket_metadata, pack_prefill_step
 from mambaserve.engine.prefill_template import SoloTemplates, fresh_lone_prompt
-from mambaserve.host_upload import copy_into, layout, views
-from mambaserve.metadata import ForwardMetadata, HostMetadata, PrefillMetadata, plan_metadata
+from mambaserve.host_upload import copy_into, views
+from mambaserve.metadata import ForwardMetadata, HostMetadata, plan_metadata
 from mambaserve.ops.dispatch import kernel_path
 from mambaserve.ops.paged_attention import DENSE_MIN_TOKENS, dense_prefill_enabled
 from mambaserve.ops.state_snapshot import restore_snapshots
@@ -62,7 +60,6 @@ logger = logging.getLogger("mambaserve")
 
 MAX_PREFILL_ROWS = 4  # real prefill rows a graph holds (one more padding row)
 MAX_MIXED_DECODES = 64  # decode rows next to a prefill part; larger mixed steps run eagerly
-_I64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
 DENSE = "dense"  # the last element of a fresh lone prompt's dense-attention bucket key
 
 
@@ -88,213 +85,6 @@ def decode_buckets(max_decodes: int) -> list[int]:
 
 def smallest_at_least(buckets: list[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
-
-
-@dataclass(frozen=True)
-class PrefillBucket:
-    """The fixed shapes of one prefill / mixed graph."""
-
-    tokens: int  # prefill tokens, real + padding
-    decodes: int  # decode rows, real + padding
-    rows: int  # prefill rows: up to rows - 1 real ones, then padding rows
-    chunk_size: int
-    conv_kernel: int
-    max_pages: int
-    snapshots: bool  # prefix caching on: prefill and decode snapshots are captured
-
-    @property
-    def num_tokens(self) -> int:
-        return self.tokens + self.decodes
-
-    @property
-    def num_rows(self) -> int:
-        return self.rows + self.decodes
-
-    @property
-    def chunks(self) -> int:
-        """A row of n tokens starting at offset s of a chunk spans ceil((s + n) / L) <= (n + 2L
-        - 2) / L chunks; the padding rows add one chunk each, plus the padding tokens' chunks:
-        at most tokens / L + 2 * rows - 1 in all."""
-        return self.tokens // self.chunk_size + 2 * self.rows - 1
-
-    @property
-    def chunks_per_row(self) -> int:
-        return (self.tokens + 2 * self.chunk_size - 2) // self.chunk_size
-
-    @property
-    def num_snapshots(self) -> int:
-        """Prefill snapshots: each row takes at most one per chunk_size multiple it reaches
-        (snapshot positions are multiples of the interval, itself a multiple of the chunk
-        size), at most three (two for the tree, the latest)."""
-        if not self.snapshots:
-            return 0
-        real = self.rows - 1
-        return min(3 * real, real + self.tokens // self.chunk_size)
-
-    @property
-    def num_logits(self) -> int:
-        return self.rows - 1 + self.decodes
-
-    @cached_property
-    def specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        """The parts of the static buffer, in order (the page table, the largest, last)."""
-        T, Tp, P, D, R = self.num_tokens, self.tokens, self.rows, self.decodes, self.num_rows
-        K, S = self.conv_kernel, self.num_snapshots
-        return {
-            "input_ids": (_I64, (T,)), "positions": (_I64, (T,)), "token_row": (_I64, (T,)),
-            "slot_mapping": (_I64, (T,)), "state_slots": (_I64, (R,)),
-            "decode_snap_dst": (_I64, (D,)), "logits_idx": (_I64, (self.num_logits,)),
-            "conv_window_idx": (_I64, (Tp, K)), "conv_state_idx": (_I64, (P, K - 1)),
-            "chunk_token_idx": (_I64, (self.chunks, self.chunk_size)),
-            "token_chunk_pos": (_I64, (Tp,)), "row_chunks": (_I64, (P, self.chunks_per_row)),
-            "row_num_chunks": (_I64, (P,)), "snap_chunk": (_I64, (S,)),
-            "snap_conv_idx": (_I64, (S, K - 1)), "snap_dst": (_I64, (S,)),
-            "restore_src": (_I64, (P - 1,)), "restore_dst": (_I64, (P - 1,)),
-            "has_initial_state": (_BOOL, (P,)), "page_table": (_I64, (R, self.max_pages)),
-        }
-
-    @cached_property
-    def _layout(self) -> tuple[dict[str, int], int]:
-        return layout(self.specs)
-
-    @property
-    def nbytes(self) -> int:
-        return self._layout[1]
-
-    def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-        """Named, typed views of a host byte buffer in this bucket's layout."""
-        offsets = self._layout[0]
-        return {name: buf[offsets[name]: offsets[name] + dtype.itemsize * math.prod(shape)]
-                .view(dtype).reshape(shape) for name, (dtype, shape) in self.specs.items()}
-
-    @cached_property
-    def scratch(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """A host buffer of this bucket's own and its views, which `pack_prefill_step(...,
-        reuse=True)` fills in place (the views are built once, not every step)."""
-        buf = np.zeros(self.nbytes, np.uint8)
-        return buf, self.host_views(buf)
-
-
-def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size: int,
-                      scratch_page: int, reuse: bool = False) -> np.ndarray:
-    """The bucket's host byte buffer (its one upload) for a step planned eagerly as `host`
-    (None: all padding, for capture): the eager arrays embedded in the bucket's layout, padding
-    around them (module docstring). `b.host_views(buf)` names its parts. `reuse`: fill the
-    bucket's own buffer (`b.scratch`) and return it; it holds the step only until the next
-    packing into this bucket (the runner copies it into the step's upload at once)."""
-    z = HostMetadata(0, 0, 0, 0, 0, 0, 0, 0, 0, {}) if host is None else host
-    Pr, Tr, Dr, Cr = z.num_prefills, z.num_prefill_tokens, z.num_decodes, z.num_chunks
-    P, Tp, D, C, L, K1 = b.rows, b.tokens, b.decodes, b.chunks, b.chunk_size, b.conv_kernel - 1
-    if not (Pr < P and Tr <= Tp and Dr <= D and Cr <= C and z.num_prefill_snapshots
-            <= b.num_snapshots and (Pr or host is None)):
-        raise ValueError(f"step of {Pr} prefill rows / {Tr} tokens, {Dr} decode rows, {Cr} "
-                         f"chunks, {z.num_prefill_snapshots} snapshots does not fit {b}")
-    a = z.arrays
-    n_pad, pad_row = Tp - Tr, P - 1
-    dec = slice(Tp, Tp + Dr)  # the real decode tokens / rows in the bucket
-    ps, scratch = page_size, scratch_page
-
-    def get(name: str, default_shape=(0,)) -> np.ndarray:
-        return a[name] if name in a else np.zeros(default_shape, np.int64)
-
-    def ext(e: np.ndarray) -> np.ndarray:  # an eager extended-stream index -> the bucket's
-        return np.where(e < Pr * K1, e, e + (P - Pr) * K1)
-
-    if reuse:
-        buf, out = b.scratch
-        buf.fill(0)
-    else:
-        buf = np.zeros(b.nbytes, np.uint8)
-        out = b.host_views(buf)
-    # ---- tokens: real prefill | padding prefill (from position 0) | real decode | padding ----
-    pad_pos = np.arange(n_pad, dtype=np.int64)
-    for name in ("input_ids", "positions", "slot_mapping", "token_row"):
-        eager, o = get(name), out[name]
-        o[:Tr], o[dec] = eager[:Tr], eager[Tr:]
-    # positions within the first page: the padding row's attention reads page-table column 0
-    # only (a position past max_model_len would index past its page-table row)
-    out["positions"][Tr:Tp] = pad_pos % ps
-    out["slot_mapping"][Tr:Tp] = scratch * ps + pad_pos % ps
-    out["slot_mapping"][Tp + Dr:] = scratch * ps
-    out["token_row"][Tr:Tp] = pad_row
-    out["token_row"][Tp:] = P + np.arange(D)
-    # ---- rows: real prefill | padding prefill | real decode | padding decode ------------------
-    slots, table = out["state_slots"], out["page_table"]
-    slots[:] = -1
-    table[:] = scratch
-    if host is not None:
-        slots[:Pr], slots[P: P + Dr] = a["state_slots"][:Pr], a["state_slots"][Pr:]
-        width = a["page_table"].shape[1]
-        if width > b.max_pages:
-            raise ValueError(f"a row needs {width} pages, the graph holds {b.max_pages}")
-        table[:Pr, :width], table[P: P + Dr, :width] = a["page_table"][:Pr], a["page_table"][Pr:]
-    out["decode_snap_dst"][:] = -1
-    out["decode_snap_dst"][:Dr] = get("decode_snap_dst")
-    li = get("logits_idx")
-    out["logits_idx"][: len(li)] = np.where(li >= Tr, li + n_pad, li)
-    # ---- prefill rows: conv windows, the SSD chunk grid, snapshots, restores -----------------
-    out["has_initial_state"][:Pr] = a.get("has_initial_state", np.zeros(0, np.bool_))
-    out["conv_window_idx"][:Tr] = ext(get("conv_window_idx", (0, K1 + 1)))
-    u = pad_pos[:, None] + np.arange(K1 + 1)  # the padding row's windows
-    out["conv_window_idx"][Tr:] = np.where(u < K1, pad_row * K1 + u, P * K1 + Tr + u - K1)
-    out["conv_state_idx"][:Pr] = ext(get("conv_state_idx", (0, K1)))
-    # padding rows keep their (scratch) window: u < K1 of their own saved inputs; the last
-    # row's ends at n_pad, inside the padding tokens from u = K1 on
-    pad_rows = np.arange(Pr, P, dtype=np.int64)[:, None]
-    u = np.where(pad_rows == pad_row, n_pad, 0) + np.arange(K1)
-    out["conv_state_idx"][Pr:] = np.where(u < K1, pad_rows * K1 + u, P * K1 + Tr + u - K1)
-    cti, tcp = out["chunk_token_idx"], out["token_chunk_pos"]
-    cti[:] = Tp
-    eager_cti = get("chunk_token_idx", (0, L))
-    cti[:Cr] = np.where(eager_cti == Tr, Tp, eager_cti)
-    tcp[:Tr] = get("token_chunk_pos")
-    rc, rnc = out["row_chunks"], out["row_num_chunks"]
-    rc[:] = C
-    eager_rc = get("row_chunks", (0, 0))
-    rc[:Pr, : eager_rc.shape[1]] = np.where(eager_rc == Cr, C, eager_rc)
-    rnc[:Pr] = get("row_num_chunks")
-    # padding rows: one empty chunk each but the last, whose tokens fill aligned chunks
-    empty = P - 1 - Pr
-    rc[Pr:pad_row, 0] = np.arange(Cr, Cr + empty)
-    rnc[Pr:pad_row] = 1
-    c = Cr + empty  # the padding row's first chunk
-    k = max(1, -(-n_pad // L))
-    assert c + k <= C, (c + k, C)
-    rc[pad_row, :k] = np.arange(c, c + k)
-    rnc[pad_row] = k
-    cti.reshape(-1)[c * L: c * L + n_pad] = np.arange(Tr, Tp)
-    tcp[Tr:] = c * L + pad_pos
-    Sr = len(get("snap_dst"))
-    out["snap_chunk"][:Sr] = get("snap_chunk")  # padding: chunk 0 (always a real chunk)
-    out["snap_conv_idx"][:Sr] = ext(get("snap_conv_idx", (0, K1)))
-    out["snap_dst"][:] = -1
-    out["snap_dst"][:Sr] = get("snap_dst")
-    n_res = len(get("restore_src"))  # padding entries are never read (sliced to n_res)
-    out["restore_src"][:n_res], out["restore_dst"][:n_res] = get("restore_src"), \
-        get("restore_dst")
-    return buf
-
-
-def bucket_metadata(parts: dict[str, torch.Tensor], b: PrefillBucket, *,
-                    max_kv_len: int, dense: bool = False) -> ForwardMetadata:
-    """The captured metadata of bucket `b` over its views `parts` of the static buffer. No
-    restore runs inside (num_restores = 0): the runner copies them before the replay. `dense`:
-    the prefill part is one fresh row for the attention (a fresh lone prompt's variant: its
-    real tokens, then the padding tokens no real token sees)."""
-    t, P = parts, b.rows
-    prefill = PrefillMetadata(
-        num_rows=P, num_tokens=b.tokens, num_chunks=b.chunks, num_snapshots=b.num_snapshots,
-        num_restores=0, state_slots=t["state_slots"][:P],
-        row_spans=((0, b.tokens, 0),) if dense else None,
-        restore_src=t["restore_src"][:0], restore_dst=t["restore_dst"][:0],
-        **{n: t[n] for n in ("has_initial_state", "conv_window_idx", "conv_state_idx",
-                             "chunk_token_idx", "token_chunk_pos", "row_chunks",
-                             "row_num_chunks", "snap_chunk", "snap_conv_idx", "snap_dst")})
-    return ForwardMetadata(
-        num_tokens=b.num_tokens, num_decodes=b.decodes, max_kv_len=max_kv_len,
-        num_decode_snapshots=b.decodes if b.snapshots else 0, prefill=prefill,
-        **{n: t[n] for n in ("input_ids", "positions", "token_row", "state_slots", "page_table",
-                             "slot_mapping", "logits_idx", "decode_snap_dst")})
 
 
 class PrefillGraphRunner:

@@ -11,14 +11,13 @@ from fake_cuda import install_fake_cuda
 from family_checkpoints import MAKERS
 
 from mambaserve import LLM, SamplingParams
-from mambaserve.engine.batch import Batch, Row
 from mambaserve.engine import prefill_graph
+from mambaserve.engine.batch import Batch, Row
+from mambaserve.engine.prefill_bucket import PrefillBucket, pack_prefill_step
 from mambaserve.engine.prefill_graph import (
     DENSE,
-    PrefillBucket,
     PrefillGraphRunner,
     decode_buckets,
-    pack_prefill_step,
     token_buckets,
 )
 from mambaserve.metadata import build_metadata, plan_metadata

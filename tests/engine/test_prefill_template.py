@@ -12,7 +12,8 @@ import pytest
 
 from mambaserve import LLM
 from mambaserve.engine.batch import Batch, Row
-from mambaserve.engine.prefill_graph import PrefillGraphRunner, pack_prefill_step
+from mambaserve.engine.prefill_bucket import pack_prefill_step
+from mambaserve.engine.prefill_graph import PrefillGraphRunner
 from mambaserve.engine.prefill_template import solo_key
 from mambaserve.engine.sampling_params import SamplingParams
 from mambaserve.metadata import plan_metadata
