@@ -245,8 +245,9 @@ class EngineConfig:
     enforce_eager: bool | None = None
     cuda_graph_max_bs: int = 256
     # steps with a prefill part of at most this many tokens replay prefill / mixed CUDA graphs
-    # when graphs are on (engine/prefill_graph.py; prefill-only steps up to twice as many); 0 =
-    # those steps always run eagerly; None = DEFAULT_PREFILL_GRAPH_TOKENS on CUDA, 0 elsewhere
+    # when graphs are on (engine/prefill_graph.py; prefill-only steps up to the solo bound
+    # below); 0 = those steps always run eagerly; None = DEFAULT_PREFILL_GRAPH_TOKENS on CUDA, 0
+    # elsewhere
     cuda_graph_max_prefill_tokens: int | None = None
     # prefill-only steps (a lone prompt) with at most this many tokens replay graphs when
     # prefill graphs are on; None = max(DEFAULT_SOLO_GRAPH_TOKENS, 2 x the bound above); never
@@ -399,8 +400,9 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
         type=int, help="largest decode batch captured in a CUDA graph (default: %(default)s)")),
     "cuda_graph_max_prefill_tokens": ("--cuda-graph-max-prefill-tokens", dict(
         type=int, help="steps whose prefill part has at most this many tokens (up to 4 prefill "
-                       "rows, plus decode rows; prefill-only steps twice as many) replay CUDA "
-                       "graphs too; 0 = they run eagerly (default: 256 on a GPU, 0 on a CPU)")),
+                       "rows, plus decode rows; prefill-only steps: --cuda-graph-max-solo-tokens) "
+                       "replay CUDA graphs too; 0 = they run eagerly (default: 256 on a GPU, 0 "
+                       "on a CPU)")),
     "cuda_graph_max_solo_tokens": ("--cuda-graph-max-solo-tokens", dict(
         type=int, help="prefill-only steps (a lone prompt) of at most this many tokens replay "
                        "CUDA graphs when prefill graphs are on (default: the larger of 2048 "
