@@ -107,9 +107,10 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
                       scratch_page: int, reuse: bool = False) -> np.ndarray:
     """The bucket's host byte buffer (its one upload) for a step planned eagerly as `host`
     (None: all padding, for capture): the eager arrays embedded in the bucket's layout, padding
-    around them (module docstring). `b.host_views(buf)` names its parts. `reuse`: fill the
-    bucket's own buffer (`b.scratch`) and return it; it holds the step only until the next
-    packing into this bucket (the runner copies it into the step's upload at once)."""
+    around them (engine/prefill_graph.py's docstring). `b.host_views(buf)` names its parts.
+    `reuse`: fill the bucket's own buffer (`b.scratch`) and return it; it holds the step only
+    until the next packing into this bucket (the runner copies it into the step's upload at
+    once)."""
     z = HostMetadata(0, 0, 0, 0, 0, 0, 0, 0, 0, {}) if host is None else host
     Pr, Tr, Dr, Cr = z.num_prefills, z.num_prefill_tokens, z.num_decodes, z.num_chunks
     P, Tp, D, C, L, K1 = b.rows, b.tokens, b.decodes, b.chunks, b.chunk_size, b.conv_kernel - 1
