@@ -180,13 +180,13 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_padded_forward_matches_eager(engine, name):
-    batch = SCENARIOS[name]
+def _eager_forward(engine, batch, seed):
+    """Random finite pools (initial states, cached KV, snapshot slots), the eager forward of
+    `batch` over them; returns its logits and the pools it left, the pools put back as before."""
     sp, kv, model = engine.state_pool, engine.kv_pool, engine.model
     pools = (sp.conv_state, sp.ssm_state, kv.kv_cache)
-    g = torch.Generator().manual_seed(0)
-    for t in pools:  # finite values everywhere: initial states, cached KV, snapshot slot 5
+    g = torch.Generator().manual_seed(seed)
+    for t in pools:
         t.copy_(0.5 * torch.randn(t.shape, generator=g))
     start = [t.clone() for t in pools]
     cfg = model.cfg
@@ -194,9 +194,18 @@ def test_padded_forward_matches_eager(engine, name):
         meta = build_metadata(batch, chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
                               page_size=PS, scratch_page=kv.scratch_page, device="cpu")
         eager = model(meta, *pools)
-        eager_pools = [t.clone() for t in pools]
-        for t, s in zip(pools, start):
-            t.copy_(s)
+    eager_pools = [t.clone() for t in pools]
+    for t, s in zip(pools, start):
+        t.copy_(s)
+    return eager, eager_pools
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_padded_forward_matches_eager(engine, name):
+    batch = SCENARIOS[name]
+    sp, kv, model = engine.state_pool, engine.kv_pool, engine.model
+    eager, eager_pools = _eager_forward(engine, batch, seed=0)
+    with torch.inference_mode():
         graphs = PrefillGraphRunner(model, sp, kv, max_tokens=32, max_decodes=4,
                                     max_model_len=64, snapshots=True, device="cpu")
         assert graphs.can_run(batch) and not graphs.graphs
@@ -272,18 +281,8 @@ def test_fresh_lone_prompts_replay_a_dense_attention_variant(engine, monkeypatch
     assert not any(k[-1] == DENSE for k in PrefillGraphRunner(
         model, sp, kv, max_tokens=16, max_decodes=2, max_model_len=64, snapshots=True,
         device="cpu", max_solo_tokens=64).buckets)  # float32 on a CPU: not dense-capable
-    pools = (sp.conv_state, sp.ssm_state, kv.kv_cache)
-    g = torch.Generator().manual_seed(2)
-    for t in pools:
-        t.copy_(0.5 * torch.randn(t.shape, generator=g))
-    start = [t.clone() for t in pools]
-    cfg = model.cfg
+    eager, _ = _eager_forward(engine, fresh, seed=2)
     with torch.inference_mode():
-        meta = build_metadata(fresh, chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
-                              page_size=PS, scratch_page=kv.scratch_page, device="cpu")
-        eager = model(meta, *pools)
-        for t, s in zip(pools, start):
-            t.copy_(s)
         assert graphs.load(fresh) is graphs.metas[32, 0, DENSE]
         logits = graphs.replay()
     torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
