@@ -309,7 +309,7 @@ stage_suffix() {  # single-request latency with the prefix cache on, overlap on 
     # a fresh 2048-token prompt's goes with caching on and off
     local eng="enforce_eager=false,async_scheduling=true"
     run suffix-ttft 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
-        --batch-size 1 --input-len 32,128,512 --output-len 16 --cached-prefix-len 2048 \
+        --batch-size 1 --input-len 32,128,512 --output-len 16 --cached-prefix-len 2048 --repeats 3 \
         --engine "$eng,enable_prefix_caching=true" --out "$W/suffix_ttft.json"
     for pc in true false; do
         run "suffix-cache-$pc" 200 $MS bench one-batch --preset $PRESET --device cuda \
@@ -347,10 +347,11 @@ stage_families-hf() {  # transformers' class of each family on the same shapes (
     done
 }
 stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a stream's view), twice
-    # for the 9B preset (run-to-run spread), its batch-8 decode, once per family (b 1 and 8)
+    # for the 9B preset (run-to-run spread; each TTFT the median of 5 fresh prompts), its
+    # batch-8 decode, once per family (b 1 and 8)
     for i in 1 2; do
         run "latency-9b-$i" 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
-            --batch-size 1 --input-len 32,128,512,2048 --output-len 24 \
+            --batch-size 1 --input-len 32,128,512,1024,2048 --output-len 24 --repeats 5 \
             --engine enforce_eager=false,async_scheduling=true --out "$W/latency_9b_$i.json"
     done
     run latency-9b-b8 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
@@ -369,6 +370,8 @@ stage_host() {  # the host's time per step before its forward starts (bench host
     run host-9b 300 $MS bench host --preset $PRESET --device cuda --dtype bfloat16 \
         --input-len 32,128,512,2048 --decode-batch 1,8,64 --repeats 30 \
         --engine enforce_eager=false --out "$W/host_9b.json"
+    # what one launch of each kind costs the host (an eager step is ~1,000 of them)
+    run host-launch-cost 60 $PY scripts/host_launch_cost.py --out "$W/host_launch_cost.json"
 }
 stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL, on by default): its GPU test,
     # then batch-1 / 8 latency and the families' decode with it off (0) and on (1), interleaved
