@@ -250,8 +250,8 @@ class EngineConfig:
     # elsewhere
     cuda_graph_max_prefill_tokens: int | None = None
     # prefill-only steps (a lone prompt) with at most this many tokens replay graphs when
-    # prefill graphs are on; None = max(DEFAULT_SOLO_GRAPH_TOKENS, 2 x the bound above); never
-    # above chunked_prefill_size
+    # prefill graphs are on; None = max(DEFAULT_SOLO_GRAPH_TOKENS, 2 x the bound above) within
+    # max_model_len; never below that bound nor above chunked_prefill_size
     cuda_graph_max_solo_tokens: int | None = None
     # "auto": safetensors weights; "dummy": random weights at the config's shapes (benchmarks)
     load_format: str = "auto"
@@ -406,7 +406,7 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
     "cuda_graph_max_solo_tokens": ("--cuda-graph-max-solo-tokens", dict(
         type=int, help="prefill-only steps (a lone prompt) of at most this many tokens replay "
                        "CUDA graphs when prefill graphs are on (default: the larger of 2048 "
-                       "and twice --cuda-graph-max-prefill-tokens)")),
+                       "and twice --cuda-graph-max-prefill-tokens, at most max_model_len)")),
     "load_format": ("--load-format", dict(
         choices=["auto", "dummy"], help="auto: safetensors weights; dummy: random weights at "
                                         "the config's shapes (benchmarks; the model folder "

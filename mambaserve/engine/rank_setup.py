@@ -123,13 +123,15 @@ def pool_sizes(cfg: ModelConfig, c: EngineConfig, dtype: torch.dtype, ssm_dtype:
 SOLO_PREFILL_GRAPH_FACTOR = 2
 
 
-def solo_graph_tokens(config: EngineConfig, bound: int) -> int:
-    """The largest prefill-only graph: cuda_graph_max_solo_tokens as set (at least `bound`), else
-    the larger of DEFAULT_SOLO_GRAPH_TOKENS and SOLO_PREFILL_GRAPH_FACTOR x bound; never above
+def solo_graph_tokens(config: EngineConfig, bound: int, max_model_len: int) -> int:
+    """The largest prefill-only graph: cuda_graph_max_solo_tokens as set, else the larger of
+    DEFAULT_SOLO_GRAPH_TOKENS and SOLO_PREFILL_GRAPH_FACTOR x bound, the default kept within
+    max_model_len (a lone prompt is no longer); never below `bound` nor above
     chunked_prefill_size."""
     solo = config.cuda_graph_max_solo_tokens
     if solo is None:
-        solo = max(DEFAULT_SOLO_GRAPH_TOKENS, SOLO_PREFILL_GRAPH_FACTOR * bound)
+        solo = min(max(DEFAULT_SOLO_GRAPH_TOKENS, SOLO_PREFILL_GRAPH_FACTOR * bound),
+                   max_model_len)
     return min(max(solo, bound), config.chunked_prefill_size)
 
 
@@ -152,7 +154,7 @@ def prefill_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int
     graphs = PrefillGraphRunner(
         runner.model, runner.state_pool, runner.kv_pool,
         max_tokens=min(bound, config.chunked_prefill_size),
-        max_solo_tokens=solo_graph_tokens(config, bound),
+        max_solo_tokens=solo_graph_tokens(config, bound, max_model_len),
         max_decodes=min(runner.graph_runner.max_bs, MAX_MIXED_DECODES),
         max_model_len=max_model_len, snapshots=config.enable_prefix_caching,
         device=runner.device)
