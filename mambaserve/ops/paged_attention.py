@@ -44,15 +44,17 @@ class DenseRows(NamedTuple):
 def flash_shaped(q: torch.Tensor) -> bool:
     """Queries SDPA serves with flash attention: 16-bit, head_dim a multiple of 8 up to 256. Its
     fallbacks for others (float32 above all) would hold [rows, H, L, L] scores."""
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 \
-        and q.shape[-1] <= 256
+    return _flash_dims(q.dtype, q.shape[-1])
+
+
+def _flash_dims(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
 
 
 def dense_prefill_enabled(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether fresh prefill rows of queries of this dtype and head size may run dense: flash-
     shaped, and MAMBASERVE_DENSE_PREFILL not "0"."""
-    return flash_shaped(torch.empty(0, head_dim, dtype=dtype, device="meta")) and \
-        os.environ.get(DENSE_PREFILL_ENV, "1") != "0"
+    return _flash_dims(dtype, head_dim) and os.environ.get(DENSE_PREFILL_ENV, "1") != "0"
 
 
 def prefill_segments(row_spans: tuple[tuple[int, int, int], ...], num_prefill_tokens: int,
