@@ -1,9 +1,11 @@
 """Sync-free, batch-invariant token sampler.
 
 Runs on the device after the model forward, once per engine step, for B rows (one per running
-request). No host syncs, no data-dependent shapes, no ``torch.multinomial``: sampling is Gumbel-max
-(``argmax(logits / T + g)``) where the Gumbel noise ``g`` is a pure function of
-``(seed, step, token_id)`` computed by a counter-based 32-bit integer hash with int64 torch ops.
+request). A step without top-k / top-p / min-p takes one op for the token and its logprob
+(`ops/sample_rows.py`: one Triton launch on CUDA). No host syncs, no data-dependent shapes, no
+``torch.multinomial``: sampling is Gumbel-max (``argmax(logits / T + g)``) where the Gumbel
+noise ``g`` is a pure function of ``(seed, step, token_id)`` computed by a counter-based 32-bit
+integer hash (int64 torch ops; the same integer operations inside the kernel).
 A row's sample therefore does not depend on the other rows or on its position in the batch.
 
 Semantics follow vLLM: rows with ``temperature < 1e-5`` are greedy (argmax of the raw logits,
@@ -33,13 +35,7 @@ from mambaserve.layers.logits_processors import (
     apply_logit_bias,
     apply_token_bitmask,
 )
-
-GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
-_M32 = 0xFFFFFFFF
-# lowbias32 multipliers (Wellons); the second is stored minus 2**32 so that x * C for x < 2**32
-# stays within int64 range (no signed overflow): the low 32 bits of the product are unchanged.
-_C1 = 0x7FEB352D
-_C2 = 0x846CA68B - (1 << 32)
+from mambaserve.ops.sample_rows import GREEDY_EPS, gumbel_noise, sample_rows
 
 
 @dataclass(frozen=True)
@@ -128,50 +124,6 @@ class SamplerOutput:
     topk_logprobs: torch.Tensor | None  # [B, num_logprobs] float32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 bijection on int64 tensors holding values in [0, 2**32); in place, returns x."""
-    x.bitwise_xor_(x >> 16)
-    x.mul_(_C1).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 15)
-    x.mul_(_C2).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 16)
-    return x
-
-
-def counter_hash(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Hash of (seed, step, token_id): seed, step [B] int64 -> [B, V] int64 in [0, 2**32).
-
-    For a fixed (seed, step) the map token_id -> hash is a bijection (no duplicates in a row).
-    """
-    key = _mix32((seed & _M32) ^ 0x243F6A88)  # >> on int64 is arithmetic: mask after shifting
-    key = _mix32(key ^ ((seed >> 32) & _M32))
-    key = _mix32(key ^ (step & _M32))
-    key = _mix32(key ^ ((step >> 32) & _M32) ^ 0x9E3779B9)
-    tok = torch.arange(vocab_size, dtype=torch.int64, device=seed.device)
-    tok = _mix32(tok ^ 0x85A308D3)
-    return _mix32(key[:, None] ^ tok[None, :])
-
-
-def hash_to_uniform(h: torch.Tensor) -> torch.Tensor:
-    """Map int64 hashes in [0, 2**32) to float32 uniforms strictly inside (0, 1).
-
-    Uses the top 23 bits k: u = (2k + 1) / 2**24, exactly representable in float32, so u is
-    never 0 or 1 (it lies in [2**-24, 1 - 2**-24]) and its mean is exactly 1/2.
-    """
-    return ((h >> 9) * 2 + 1).to(torch.float32).mul_(2.0**-24)
-
-
-def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniforms strictly inside (0, 1): [B] int64 seed/step -> [B, V] float32."""
-    return hash_to_uniform(counter_hash(seed, step, vocab_size))
-
-
-def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise -log(-log(u)): [B] int64 seed/step -> [B, V] float32."""
-    u = uniform_noise(seed, step, vocab_size)
-    return u.log_().neg_().log_().neg_()
-
-
 def apply_filters(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -235,6 +187,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     Returns token ids [B] int64 and raw logprobs; no host syncs, shapes depend on host ints only.
     With penalties, the sampled tokens are counted into their requests' rows on the device.
     """
+    if not batch.need_filters:  # the common case in one op (ops/sample_rows.py)
+        processed = batch.token_bitmask is not None or batch.bias_rows is not None \
+            or batch.penalties is not None
+        proc = process_logits(logits.float(), batch) if processed else logits
+        ids, lp = sample_rows(logits, proc, batch.temperature, batch.seed, batch.step,
+                              batch.all_greedy)
+        if batch.penalties is not None:
+            batch.penalties.record(ids)
+        topk_ids = topk_lp = None
+        if batch.num_logprobs > 0:
+            _, topk_ids, topk_lp = compute_logprobs(logits, ids, batch.num_logprobs)
+        return SamplerOutput(token_ids=ids, logprobs=lp, topk_ids=topk_ids, topk_logprobs=topk_lp)
     x = logits.float()
     proc = process_logits(x, batch)
     greedy_ids = torch.argmax(proc, dim=-1)

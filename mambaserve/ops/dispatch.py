@@ -115,6 +115,7 @@ CONDITIONS: dict[str, Condition | None] = {
     "silu_mul": Condition(("gate_up",), lambda gate_up: gate_up.is_contiguous(),
                           "non-contiguous inputs"),
     "apply_rotary": None,
+    "sample_rows": None,
     "write_kv": None,
     "moe_experts": None,
     "paged_attention": None,

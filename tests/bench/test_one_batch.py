@@ -15,6 +15,7 @@ from mambaserve.bench.one_batch import (
     parse_settings,
     run_one_batch,
 )
+from mambaserve.bench.one_batch_backends import MambaserveBackend
 from mambaserve.bench.presets import (
     PRESETS,
     checkpoint_name,
@@ -244,6 +245,27 @@ def test_one_batch_cached_prefix_times_the_suffix_of_a_cache_hit():
     assert "cached prefix of 64 (cache served 64..64 tokens)" in format_result(r)
     with pytest.raises(ValueError, match="mambaserve backend"):
         run_one_batch(OneBatchConfig(preset="tiny", backend="hf", cached_prefix_len=64))
+
+
+def test_one_batch_temperature_makes_every_request_sample(monkeypatch):
+    """--temperature T: every request of the run (warm-up included) samples at T; the result
+    records it; the HF peer decodes greedily only."""
+    seen = []
+    submit = MambaserveBackend._submit
+
+    def spy(self, prompts, params):
+        seen.append(params.temperature)
+        return submit(self, prompts, params)
+
+    monkeypatch.setattr(MambaserveBackend, "_submit", spy)
+    (r,) = run_one_batch(OneBatchConfig(preset="tiny", batch_sizes=[1], input_lens=[16],
+                                        output_len=3, dtype="float32", temperature=0.8),
+                         log=lambda *_: None)
+    assert seen and set(seen) == {0.8}
+    assert r.temperature == 0.8 and len(r.decode_steps) == 2 and not r.error
+    assert "sampling at temperature 0.8" in format_result(r)
+    with pytest.raises(ValueError, match="--temperature"):
+        run_one_batch(OneBatchConfig(preset="tiny", backend="hf", temperature=0.5))
 
 
 def test_one_batch_hf_backend_runs_the_family_class(tmp_path):

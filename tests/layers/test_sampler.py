@@ -10,16 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mambaserve.layers.sampler import (
-    SamplingBatch,
-    apply_filters,
-    compute_logprobs,
-    counter_hash,
-    gumbel_noise,
-    hash_to_uniform,
-    sample,
-    uniform_noise,
-)
+from mambaserve.layers.sampler import SamplingBatch, apply_filters, compute_logprobs, sample
+from mambaserve.ops.sample_rows import counter_hash, gumbel_noise, hash_to_uniform, uniform_noise
 
 aten = torch.ops.aten
 

@@ -38,6 +38,8 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # the gate without a norm (y * silu(z)): BLOCK channels of one token per program (capped at
     # the next power of two of the width); not swept
     "gated_silu": MappingProxyType({"block": 1024, "num_warps": 4}),
+    # the sampler without filters: vocabulary entries per program; not swept
+    "sample_rows": MappingProxyType({"block_v": 2048, "num_warps": 4}),
     # RMSNorm: None = 16 from BLOCK_D 16384, else max(1, min(8, BLOCK_D // 512))
     "rms_norm": MappingProxyType({"num_warps": None}),
     # decode conv step: channels per program
