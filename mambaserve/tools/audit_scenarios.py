@@ -98,8 +98,11 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
         return {"prompt_token_ids": torch.randint(3, vocab, (n,), generator=g).tolist()}
 
     budget = engine.config.chunked_prefill_size
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=6, ignore_eos=True,
-                            logprobs=2, seed=1)
+    # b samples through the filters (the sampler's torch path), the others without (its one-op
+    # path, ops/sample_rows.py): the steps after b finished take that one
+    filtered = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=6,
+                              ignore_eos=True, logprobs=2, seed=1)
+    plain = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logprobs=2, seed=1)
     # (id, prompt, step at which it is added): b alone gives a pure prefill, then continuations;
     # a and c join while b decodes (mixed forwards); the tail is decode-only
     plan = [("b", prompt(2 * budget + 3), 0), ("a", prompt(max(2, budget // 2)), 3),
@@ -128,7 +131,7 @@ def run_scenarios(engine: LLMEngine) -> dict[str, ScenarioResult]:
         while step <= last_add or engine.has_unfinished_requests():
             for rid, p, at in plan:
                 if at == step:
-                    engine.add_request(rid, p, params)
+                    engine.add_request(rid, p, filtered if rid == "b" else plain)
             audit = SyncAudit(root=engine.model, allow=allow)
             with audit:
                 engine.runner.section = audit.section
