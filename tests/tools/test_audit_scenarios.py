@@ -17,7 +17,10 @@ from mambaserve.tools.audit_scenarios import (
 
 @pytest.fixture()
 def engine(tiny_ckpt):
-    return LLMEngine(tiny_ckpt, EngineConfig(chunked_prefill_size=16, max_num_seqs=4))
+    # on the CPU: on a GPU the decode forwards replay a CUDA graph, which runs no Python forward
+    # for an injected sync to sit in (and the sync would stop the graph's capture first)
+    return LLMEngine(tiny_ckpt, EngineConfig(chunked_prefill_size=16, max_num_seqs=4,
+                                             device="cpu"))
 
 
 @pytest.mark.parametrize("caching", [False, True])
