@@ -61,6 +61,7 @@ class OneBatchConfig:
     engine: dict = field(default_factory=dict)  # extra EngineConfig fields
     cached_prefix_len: int = 0  # P tokens per prompt served from the prefix cache (0: none)
     temperature: float = 0.0  # 0: greedy; above: Gumbel-max sampling (the mambaserve backend)
+    top_p: float = 1.0  # below 1: the sampled requests' nucleus filter
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -81,6 +82,9 @@ class OneBatchConfig:
         if self.temperature < 0 or (self.temperature and self.backend != "mambaserve"):
             raise ValueError(f"--temperature must be >= 0, and 0 (greedy) for the hf backend; "
                              f"got {self.temperature}")
+        if not 0 < self.top_p <= 1 or (self.top_p < 1 and not self.temperature):
+            raise ValueError(f"--top-p must be in (0, 1], below 1 only with --temperature > 0; "
+                             f"got {self.top_p}")
         if self.preset is not None:
             from mambaserve.bench.presets import preset_config
 
@@ -168,6 +172,7 @@ class OneBatchResult:
     active_params: float = 0.0  # parameters a token multiplies (MoE: its k experts, not all E)
     fp8_params: int = 0  # weights stored as float8 (1 byte each in the decode floor)
     temperature: float = 0.0  # the requests' (0: greedy)
+    top_p: float = 1.0
     cached_prefix_len: int = 0  # tokens before input_len per prompt, from the prefix cache
     cached_tokens: list[int] = field(default_factory=list)  # per prompt: what the cache served
     prefill_runs: list[float] = field(default_factory=list)  # each timed run's TTFT
@@ -251,7 +256,7 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
                     matmul_ceiling_flops=mm["flops"], copy_ceiling_bytes_per_s=cp["bytes_per_s"],
                     load_s=backend.load_s, active_params=counts.per_token + counts.lm_head,
                     fp8_params=fp8, cached_prefix_len=c.cached_prefix_len,
-                    temperature=c.temperature,
+                    temperature=c.temperature, top_p=c.top_p,
                     cached_tokens=list(getattr(backend, "cached_tokens", [])),
                     prefill_runs=runs, note=note, error=error)
                 log(format_result(r))
@@ -273,6 +278,7 @@ def format_result(r: OneBatchResult) -> str:
             f"batch {r.batch_size} x input {r.input_len}, output {r.output_len}"
             + (f", FP8 weights {_count(r.fp8_params)}" if r.fp8_params else "")
             + (f", sampling at temperature {r.temperature:g}" if r.temperature else "")
+            + (f", top_p {r.top_p:g}" if r.top_p < 1 else "")
             + (f", after a cached prefix of {r.cached_prefix_len} (cache served "
                f"{min(r.cached_tokens, default=0)}..{max(r.cached_tokens, default=0)} tokens)"
                if r.cached_prefix_len else ""))
@@ -350,6 +356,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy decoding; above 0: every request samples at this temperature "
                         "(the sampler's Gumbel-max path; mambaserve backend)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature: the requests' top_p (below 1: the sampler's filters)")
     p.add_argument("--out", default=None, help="write the results as a JSON list")
 
 
@@ -361,7 +369,7 @@ def run_cli(a: argparse.Namespace) -> int:
                        save_reload=a.save_reload, warmup=a.warmup, repeats=a.repeats,
                        seed=a.seed,
                        engine=parse_settings(a.engine), cached_prefix_len=a.cached_prefix_len,
-                       temperature=a.temperature)
+                       temperature=a.temperature, top_p=a.top_p)
     results = run_one_batch(c)
     print(format_table(results))
     if a.out:

@@ -60,7 +60,7 @@ class MambaserveBackend:
         self.fp8_params = sum(p.numel() for p in self.engine.model.parameters()
                               if p.dtype == torch.float8_e4m3fn)
         self.counter = 0
-        self.temperature = c.temperature
+        self.temperature, self.top_p = c.temperature, c.top_p
         self.cached_tokens: list[int] = []  # per prompt of the last run: tokens the cache served
 
     def _submit(self, prompts: list[list[int]], p) -> None:
@@ -81,8 +81,8 @@ class MambaserveBackend:
             self.counter += 1
             prefill_untimed(eng, prefixes, f"h{self.counter}")
             prompts = [a + q for a, q in zip(prefixes, prompts)]
-        self._submit(prompts, SamplingParams(temperature=self.temperature, max_tokens=out_len,
-                                             ignore_eos=True, seed=seed))
+        self._submit(prompts, SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                                             max_tokens=out_len, ignore_eos=True, seed=seed))
         cached: dict[str, int] = {}
         started: set[str] = set()
         prefill, steps = 0.0, []

@@ -1,8 +1,8 @@
 """Sync-free, batch-invariant token sampler.
 
 Runs on the device after the model forward, once per engine step, for B rows (one per running
-request). A step without top-k / top-p / min-p takes one op for the token and its logprob
-(`ops/sample_rows.py`: one Triton launch on CUDA). No host syncs, no data-dependent shapes, no
+request). The token and its logprob come from one op (`ops/sample_rows.py`: one Triton launch
+on CUDA); top-k / top-p / min-p run before it in torch. No host syncs, no data-dependent shapes, no
 ``torch.multinomial``: sampling is Gumbel-max (``argmax(logits / T + g)``) where the Gumbel
 noise ``g`` is a pure function of ``(seed, step, token_id)`` computed by a counter-based 32-bit
 integer hash (int64 torch ops; the same integer operations inside the kernel).
@@ -35,7 +35,7 @@ from mambaserve.layers.logits_processors import (
     apply_logit_bias,
     apply_token_bitmask,
 )
-from mambaserve.ops.sample_rows import GREEDY_EPS, gumbel_noise, sample_rows
+from mambaserve.ops.sample_rows import GREEDY_EPS, sample_rows
 
 
 @dataclass(frozen=True)
@@ -187,32 +187,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     Returns token ids [B] int64 and raw logprobs; no host syncs, shapes depend on host ints only.
     With penalties, the sampled tokens are counted into their requests' rows on the device.
     """
-    if not batch.need_filters:  # the common case in one op (ops/sample_rows.py)
-        processed = batch.token_bitmask is not None or batch.bias_rows is not None \
-            or batch.penalties is not None
-        proc = process_logits(logits.float(), batch) if processed else logits
-        ids, lp = sample_rows(logits, proc, batch.temperature, batch.seed, batch.step,
-                              batch.all_greedy)
-        if batch.penalties is not None:
-            batch.penalties.record(ids)
-        topk_ids = topk_lp = None
-        if batch.num_logprobs > 0:
-            _, topk_ids, topk_lp = compute_logprobs(logits, ids, batch.num_logprobs)
-        return SamplerOutput(token_ids=ids, logprobs=lp, topk_ids=topk_ids, topk_logprobs=topk_lp)
-    x = logits.float()
-    proc = process_logits(x, batch)
-    greedy_ids = torch.argmax(proc, dim=-1)
-    if batch.all_greedy:
-        ids = greedy_ids
-    else:
-        is_greedy = batch.temperature < GREEDY_EPS
-        temp = torch.where(is_greedy, 1.0, batch.temperature)
-        scaled = proc / temp[:, None]
-        if batch.need_filters:
-            scaled = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
-        scaled.add_(gumbel_noise(batch.seed, batch.step, x.shape[-1]))
-        ids = torch.where(is_greedy, greedy_ids, torch.argmax(scaled, dim=-1))
+    processed = batch.token_bitmask is not None or batch.bias_rows is not None \
+        or batch.penalties is not None
+    proc = process_logits(logits.float(), batch) if processed else logits
+    temperature = batch.temperature
+    if batch.need_filters and not batch.all_greedy:
+        # the filters (torch: they sort) on the rows' scaled logits; the op then divides by 1.
+        # A greedy row's maximum survives every filter, so its argmax is proc's.
+        is_greedy = temperature < GREEDY_EPS
+        scaled = proc.float() / torch.where(is_greedy, 1.0, temperature)[:, None]
+        proc = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
+        temperature = torch.where(is_greedy, 0.0, 1.0)
+    # the token and its raw logprob in one op (ops/sample_rows.py: one launch on CUDA)
+    ids, lp = sample_rows(logits, proc, temperature, batch.seed, batch.step, batch.all_greedy)
     if batch.penalties is not None:
         batch.penalties.record(ids)
-    lp, topk_ids, topk_lp = compute_logprobs(x, ids, batch.num_logprobs)
+    topk_ids = topk_lp = None
+    if batch.num_logprobs > 0:
+        _, topk_ids, topk_lp = compute_logprobs(logits, ids, batch.num_logprobs)
     return SamplerOutput(token_ids=ids, logprobs=lp, topk_ids=topk_ids, topk_logprobs=topk_lp)

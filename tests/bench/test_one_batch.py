@@ -248,24 +248,27 @@ def test_one_batch_cached_prefix_times_the_suffix_of_a_cache_hit():
 
 
 def test_one_batch_temperature_makes_every_request_sample(monkeypatch):
-    """--temperature T: every request of the run (warm-up included) samples at T; the result
-    records it; the HF peer decodes greedily only."""
+    """--temperature T (--top-p P): every request of the run (warm-up included) samples at T
+    (through the nucleus filter); the result records both; the HF peer decodes greedily only."""
     seen = []
     submit = MambaserveBackend._submit
 
     def spy(self, prompts, params):
-        seen.append(params.temperature)
+        seen.append((params.temperature, params.top_p))
         return submit(self, prompts, params)
 
     monkeypatch.setattr(MambaserveBackend, "_submit", spy)
     (r,) = run_one_batch(OneBatchConfig(preset="tiny", batch_sizes=[1], input_lens=[16],
-                                        output_len=3, dtype="float32", temperature=0.8),
+                                        output_len=3, dtype="float32", temperature=0.8,
+                                        top_p=0.9),
                          log=lambda *_: None)
-    assert seen and set(seen) == {0.8}
-    assert r.temperature == 0.8 and len(r.decode_steps) == 2 and not r.error
-    assert "sampling at temperature 0.8" in format_result(r)
+    assert seen and set(seen) == {(0.8, 0.9)}
+    assert r.temperature == 0.8 and r.top_p == 0.9 and len(r.decode_steps) == 2 and not r.error
+    assert "sampling at temperature 0.8, top_p 0.9" in format_result(r)
     with pytest.raises(ValueError, match="--temperature"):
         run_one_batch(OneBatchConfig(preset="tiny", backend="hf", temperature=0.5))
+    with pytest.raises(ValueError, match="--top-p"):
+        run_one_batch(OneBatchConfig(preset="tiny", top_p=0.5))
 
 
 def test_one_batch_hf_backend_runs_the_family_class(tmp_path):

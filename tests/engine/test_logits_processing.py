@@ -13,7 +13,8 @@ import torch
 
 import mambaserve.engine.runner as runner_mod
 from mambaserve import LLM, SamplingParams
-from mambaserve.layers.sampler import GREEDY_EPS, gumbel_noise
+from mambaserve.layers.sampler import GREEDY_EPS
+from mambaserve.ops.sample_rows import gumbel_noise
 
 
 def prompts(lengths, seed=0):

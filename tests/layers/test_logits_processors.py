@@ -19,7 +19,8 @@ from mambaserve.layers.logits_processors import (
     apply_token_bitmask,
     bitmask_words,
 )
-from mambaserve.layers.sampler import SamplingBatch, gumbel_noise, sample
+from mambaserve.layers.sampler import SamplingBatch, sample
+from mambaserve.ops.sample_rows import gumbel_noise
 from mambaserve.tools.sync_audit import SyncAudit
 
 NEG = float("-inf")

@@ -160,6 +160,29 @@ def test_sampled_tokens_respect_filters_after_temperature():
         assert set(ids.tolist()) == set(np.flatnonzero(ref).tolist()), (t, k, p, m)
 
 
+def test_sample_is_gumbel_max_of_the_filtered_scaled_logits():
+    """Written out: greedy rows take argmax(logits) (filters ignored); the others argmax of
+    filters(logits / T) + gumbel(seed, step); logprobs are the raw log-softmax at the token. A
+    mixed batch with filters, and the same rows without them."""
+    g = torch.Generator().manual_seed(11)
+    b, v = 6, 257
+    logits = torch.randn(b, v, generator=g) * 3
+    temps = [0.0, 0.7, 1.3, 0.0, 2.0, 0.9]
+    ks, ps = [0, 5, 0, 3, 40, 0], [1.0, 0.9, 0.8, 0.5, 1.0, 0.95]
+    seeds, steps = [3, 5, 7, 11, 13, 17], [0, 1, 2, 3, 4, 2**40]
+    for top_k, top_p in [(ks, ps), (0, 1.0)]:
+        batch = make_batch(b, temps, top_k, top_p, 0.0, seed=seeds, step=steps)
+        out = sample(logits, batch)
+        greedy = torch.tensor(temps) < 1e-5
+        scaled = logits / torch.where(greedy, 1.0, torch.tensor(temps))[:, None]
+        kept = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
+        noisy = kept + gumbel_noise(batch.seed, batch.step, v)
+        want = torch.where(greedy, logits.argmax(-1), noisy.argmax(-1))
+        assert torch.equal(out.token_ids, want)
+        lp = torch.log_softmax(logits, -1).gather(1, want[:, None]).squeeze(1)
+        torch.testing.assert_close(out.logprobs, lp, rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- distribution
 
 
