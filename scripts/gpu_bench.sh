@@ -5,7 +5,7 @@
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
 #         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve
-#         fp8-sweep pdl dense-attn host
+#         fp8-sweep pdl dense-attn host sampler
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -392,6 +392,26 @@ stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL, on by default): 
                 --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
                 --out "$W/pdl_${on}_$p.json"
         done
+    done
+}
+stage_sampler() {  # the sampler's one-op path (ops/sample_rows.py): its GPU tests, then decode
+    # greedy, at temperature 1 and with top_p 0.9 (Granite-micro batch 1 / 8, the 9B batch 1 / 64)
+    run sampler-tests 200 $PY -m pytest -q -p no:cacheprovider tests/ops/test_triton_sample_rows.py \
+        tests/layers/test_sampler.py tests/layers/test_logits_processors.py \
+        tests/engine/test_logits_processing.py
+    local setting
+    for setting in "0 1.0" "1 1.0" "1 0.9"; do
+        set -- $setting
+        run "sampler-granite-t$1-p$2" 200 $MS bench one-batch --preset granite-4.0-h-micro \
+            --device cuda --dtype bfloat16 --batch-size 1,8 --input-len 2048 --output-len 24 \
+            --temperature $1 --top-p $2 \
+            --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
+            --out "$W/sampler_granite_t$1_p$2.json"
+        run "sampler-9b-t$1-p$2" 200 $MS bench one-batch --preset $PRESET --device cuda \
+            --dtype bfloat16 --batch-size 1,64 --input-len 512 --output-len 24 \
+            --temperature $1 --top-p $2 \
+            --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
+            --out "$W/sampler_9b_t$1_p$2.json"
     done
 }
 stage_dense-attn() {  # fresh prefill rows through SDPA (MAMBASERVE_DENSE_PREFILL) off and on,
