@@ -233,7 +233,9 @@ class ModelRunner:
         sampled tokens also go to the token buffer at their rows' state slots."""
         plan, parts = sampling.plan, []
         if plan.sample_rows:
-            out = sample(logits.index_select(0, sampling.sample_logit_idx), sampling.params)
+            rows = logits[:len(plan.sample_rows)] if plan.samples_lead else \
+                logits.index_select(0, sampling.sample_logit_idx)
+            out = sample(rows, sampling.params)
             if self.tp.tp_size > 1:  # the other ranks' token buffers (run_follower)
                 self.tp.broadcast(out.token_ids.contiguous(), src=0)
             self.token_buf.index_copy_(0, sample_slots, out.token_ids)

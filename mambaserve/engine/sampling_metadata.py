@@ -36,6 +36,9 @@ class SamplingPlan:
     num_prompt_logprobs: int  # top-k alternatives per prompt target (max over those rows)
     arrays: dict[str, np.ndarray]  # uploaded; keys start with PREFIX
     penalties: PenaltyState | None = None  # set when some sampled row uses penalties
+    # the sampled logit rows are rows 0, 1, ... in order (a decode step): the runner samples
+    # from a view of the logits instead of gathering them
+    samples_lead: bool = False
 
     @classmethod
     def from_batch(cls, batch: Batch, penalties: PenaltyState | None = None) -> SamplingPlan:
@@ -74,7 +77,8 @@ class SamplingPlan:
             num_prompt_logprobs=max((rows[i].request.params.prompt_logprobs or 0
                                      for i, _ in prompt_rows), default=0),
             arrays={PREFIX + k: v for k, v in arrays.items()},
-            penalties=penalties if pen is not None else None)
+            penalties=penalties if pen is not None else None,
+            samples_lead=sample_idx == list(range(len(sample_idx))))
 
     @property
     def num_prompt_targets(self) -> int:

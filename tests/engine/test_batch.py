@@ -49,6 +49,15 @@ def test_sampling_plan_lays_out_targets_then_samples_per_row():
     assert plan.num_logprobs == 4 and plan.num_prompt_logprobs == 3
     assert arr["temperature"].tolist() == [1.0, 0.5] and arr["top_k"].tolist() == [0, 3]
     assert arr["step"].tolist() == [0, 1] and arr["seed"].tolist() == [5, 5]
+    assert not plan.samples_lead  # a's prompt targets come first: the sampled rows are gathered
+
+
+def test_a_decode_steps_samples_are_the_leading_logit_rows():
+    rows = [Row(request([1, 2], out=[3]), 2, 1), Row(request([4], out=[5, 6]), 2, 1)]
+    assert SamplingPlan.from_batch(Batch([], rows)).samples_lead
+    # a chunk that ends mid-prompt has no logit row: the others still lead
+    chunk = Row(request([8, 9, 10]), 0, 2)
+    assert SamplingPlan.from_batch(Batch([chunk], rows)).samples_lead
 
 
 def test_a_row_scheduled_before_its_token_was_read_back():
