@@ -1,13 +1,14 @@
-"""One token per row from its logits, without top-k / top-p / min-p filters, and the raw-logit
-logprob of that token: the sampler's common case in one op (`layers/sampler.py` has the
-semantics; it takes this op whenever no row of the step filters).
+"""One token per row from its logits and the raw-logit logprob of that token: the sampler's
+last stage in one op (`layers/sampler.py` has the semantics and runs top-k / top-p / min-p
+before it, on the rows it passes as `proc`).
 
     ids, logprobs = sample_rows(raw, proc, temperature, seed, step, all_greedy)
 
 - raw [B, V]: the model's logits (any float dtype); the reported logprob is
   raw[b, id] - logsumexp(raw[b]) in float32;
 - proc [B, V]: the logits the token is drawn from (raw itself, or raw after the logits
-  processors: token mask, logit bias, penalties);
+  processors: token mask, logit bias, penalties; with filters, the scaled and filtered rows at
+  temperature 1);
 - a row with temperature < GREEDY_EPS takes argmax(proc[b]) (the lowest index on ties), any
   other argmax(proc[b] / T + g), g the Gumbel noise of the row's (seed, step) at each token id
   (`gumbel_noise`: a counter-based 32-bit hash, so a row's token depends on nothing but its own

@@ -1,8 +1,8 @@
-"""Triton sampler of rows without filters (`mambaserve.ops.sample_rows` has the contract): a
-token per row, greedy or Gumbel-max, and the raw-logit logprob of that token, in one launch.
+"""Triton sampler (`mambaserve.ops.sample_rows` has the contract): a token per row, greedy or
+Gumbel-max, and the raw-logit logprob of that token, in one launch.
 
 Grid: (rows, cdiv(V, BLOCK_V)). Each program reads one block of its row's vocabulary once (the
-raw logits, and the processed ones where they differ) and reduces it to five partial results:
+raw logits, and the processed ones where they differ) and reduces it to its partial results:
 the raw block's maximum m and sum of exp(x - m) (the logsumexp's parts), the processed block's
 maximum and its first index (greedy), and the maximum and first index of proc / T + g (the
 Gumbel noise g of the row's (seed, step) at every token id, hashed in the program with the
