@@ -76,6 +76,19 @@ def test_fully_masked_blocks_and_minus_infinity():
         _check(raw, raw, temperature[:3], seeds, steps, all_greedy=False)
 
 
+def test_a_nan_logit_is_the_largest_value_as_in_torch():
+    # a broken model's NaN picks its token (torch's argmax) instead of an index past the row
+    raw, temperature, seeds, steps = _rows(3, 600, torch.float32, seed=6)
+    raw[0, 321] = float("nan")
+    raw[1, [40, 500]] = float("nan")
+    ids, lp = sample_rows_triton(raw, raw, torch.zeros(3, device=DEV), seeds, steps, True,
+                                 GREEDY_EPS)
+    assert ids.tolist()[:2] == [321, 40] == torch.argmax(raw, dim=-1).tolist()[:2]
+    assert torch.isnan(lp[:2]).all() and not torch.isnan(lp[2])
+    ids, _ = sample_rows_triton(raw, raw, temperature[:3], seeds, steps, False, GREEDY_EPS)
+    assert ((ids >= 0) & (ids < 600)).all()
+
+
 def test_noise_is_the_references_bit_for_bit():
     # all-zero logits at temperature 1: the sampled token is the argmax of the noise itself
     V = 4099

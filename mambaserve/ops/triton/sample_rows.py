@@ -79,7 +79,9 @@ def gumbel_noise_block(seed, step, tok, HW_LOG: tl.constexpr):
 
 @triton.jit
 def _first_max(v, idx, BIG: tl.constexpr):
-    """(max of v, the smallest idx where v is that max)."""
+    """(max of v, the smallest idx where v is that max); a NaN counts as the largest value, as
+    in torch's argmax (a NaN logit picks its token instead of no token)."""
+    v = tl.where(v != v, float("inf"), v)
     top = tl.max(v, axis=0)
     return top, tl.min(tl.where(v == top, idx, BIG), axis=0)
 
@@ -140,6 +142,7 @@ def _sample_rows_kernel(raw_ptr, proc_ptr, temp_ptr, seed_ptr, step_ptr, part_pt
                           cache_modifier=".cg")
             _, s_tok = _first_max(sms, sis, 2147483647)
             tok = tl.where(tl.load(temp_ptr + row) < greedy_eps, tok, s_tok)
+        tok = tl.minimum(tok, V - 1)  # never past the row, whatever the logits hold
         xv = tl.load(raw_row + tok).to(tl.float32)
         tl.store(ids_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, xv - lse)
