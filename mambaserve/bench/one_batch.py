@@ -188,8 +188,9 @@ def run_one_batch(c: OneBatchConfig, log=print) -> list[OneBatchResult]:
     c.validate()
     device = torch.device(c.device)
     dtype = resolve_dtype(c.dtype)
-    note = "" if device.type == "cuda" else \
-        "CPU run: ceilings measured on small sizes (512^3 matmul, 64 MiB copy); figures are a smoke test"
+    note = "" if device.type == "cuda" else (
+        "CPU run: ceilings measured on small sizes (512^3 matmul, 64 MiB copy); figures are a "
+        "smoke test")
     mm = matmul_ceiling(device, dtype)
     cp = copy_ceiling(device)
     log(f"ceilings: {mm['dtype']} matmul {mm['n']}^3 {mm['flops'] / 1e12:.2f} TFLOP/s, "
@@ -296,9 +297,10 @@ def format_result(r: OneBatchResult) -> str:
         lines.append(
             f"decode:  {r.decode_step_s * 1e3:.2f} ms/step (median of {len(r.decode_steps)}), "
             f"{r.decode_tokens_per_s:,.1f} tokens/s, {r.decode_bandwidth / 1e9:.1f} GB/s = "
-            f"{100 * r.decode_bandwidth_fraction:.1f} % of {r.copy_ceiling_bytes_per_s / 1e9:.1f} "
-            f"GB/s ({r.decode_bytes_per_step / 1e9:.3f} GB per step: weights + state read/write "
-            f"+ KV; floor {r.decode_floor_s * 1e3:.2f} ms, {r.decode_step_s / r.decode_floor_s:.2f}x)")
+            f"{100 * r.decode_bandwidth_fraction:.1f} % of "
+            f"{r.copy_ceiling_bytes_per_s / 1e9:.1f} GB/s "
+            f"({r.decode_bytes_per_step / 1e9:.3f} GB per step: weights + state read/write + KV; "
+            f"floor {r.decode_floor_s * 1e3:.2f} ms, {r.decode_step_s / r.decode_floor_s:.2f}x)")
     if r.note:
         lines.append(f"note: {r.note}")
     return "\n".join(lines)
@@ -306,8 +308,9 @@ def format_result(r: OneBatchResult) -> str:
 
 def format_table(results: list[OneBatchResult]) -> str:
     """A markdown table of a sweep, one row per (input length, batch size)."""
-    out = [("| backend | batch | input | TTFT ms | prefill tok/s | MFU % | x floor | decode ms/step "
-            "| decode tok/s | % of BW floor |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [("| backend | batch | input | TTFT ms | prefill tok/s | MFU % | x floor "
+            "| decode ms/step | decode tok/s | % of BW floor |"),
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.error:
             out.append(f"| {r.backend} | {r.batch_size} | {r.input_len} | {r.error[:40]} |"
