@@ -1,6 +1,7 @@
 """`mambaserve bench serve`: an online-serving benchmark client for an OpenAI-compatible server.
 
-Sends random token-id prompts to /v1/completions (streamed, `ignore_eos`, greedy) with Poisson
+Sends random token-id prompts to /v1/completions (streamed, `ignore_eos`; greedy unless
+`--temperature` / `--top-p` ask for sampling, seeded by `--seed`) with Poisson
 arrivals at `--request-rate` (inf: all at once) under an optional `--max-concurrency`, and
 measures request and token throughput, time to first token (TTFT), inter-token latency (ITL)
 and end-to-end latency (E2EL). Token counts come from the server's per-chunk usage
@@ -53,6 +54,8 @@ class BenchConfig:
     think_time_s: float = 1.0  # multiturn: mean pause between a conversation's turns
     ideal_from: str | None = None  # a `bench one-batch --out` JSON
     metrics_interval_s: float = 0.5  # how often /metrics is scraped during the run
+    temperature: float = 0.0  # every request's (0: greedy)
+    top_p: float = 1.0  # every request's nucleus filter (1: off)
 
     def validate(self) -> None:
         if self.dataset not in DATASETS:
@@ -69,6 +72,9 @@ class BenchConfig:
             raise ValueError("request-rate must be > 0 (inf: all at once)")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max-concurrency must be >= 1")
+        if not self.temperature >= 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top-p in (0, 1], got "
+                             f"{self.temperature} and {self.top_p}")
 
 
 @dataclass
@@ -110,9 +116,11 @@ def arrival_times(cfg: BenchConfig) -> list[float]:
 async def _one(client, url: str, model: str, prompt: list[int], cfg: BenchConfig,
                t_bench: float) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len,
+            "temperature": cfg.temperature, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if cfg.temperature > 0:  # sampled: seeded, so two runs' outputs compare (output_sha256)
+        body |= {"top_p": cfg.top_p, "seed": cfg.seed}
     t0 = time.perf_counter()
     res.start = t0 - t_bench
     last, tokens = t0, 0
@@ -383,7 +391,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "prompt, e.g. 2048)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn from [0, vocab-size) (default: from /v1/models)")
-    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompts and arrival times (and the requests' sampling seed)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (0: greedy decoding)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="every request's top_p, with --temperature above 0 (1: no filter)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None,
@@ -406,7 +419,8 @@ def run_cli(a: argparse.Namespace) -> int:
                       shared_prefix_len=a.shared_prefix_len, vocab_size=a.vocab_size,
                       seed=a.seed, timeout_s=a.timeout, disable_tqdm=a.disable_tqdm,
                       num_turns=a.num_turns, think_time_s=a.think_time,
-                      ideal_from=a.ideal_from, metrics_interval_s=a.metrics_interval)
+                      ideal_from=a.ideal_from, metrics_interval_s=a.metrics_interval,
+                      temperature=a.temperature, top_p=a.top_p)
     res = asyncio.run(run_benchmark(cfg))
     print_summary(res)
     if a.out:

@@ -75,6 +75,27 @@ def test_bench_all_at_once_and_failures_are_counted(url):
     assert any("404" in e for e in res["errors"])
 
 
+def test_sampled_requests_are_seeded_so_two_runs_compare(url):
+    """--temperature / --top-p: every request samples with them and the run's seed, so the
+    same run twice gives the same outputs, unlike greedy decoding's."""
+    import asyncio
+
+    from mambaserve.bench.serve import BenchConfig, run_benchmark
+
+    def run(**kw):
+        res = asyncio.run(run_benchmark(BenchConfig(base_url=url, input_len=8, output_len=6,
+                                                    num_prompts=4, disable_tqdm=True, **kw)))
+        assert res["completed"] == 4 and res["failed"] == 0
+        return res
+
+    a, b = run(temperature=1.5, top_p=0.9), run(temperature=1.5, top_p=0.9)
+    assert a["output_sha256"] == b["output_sha256"]
+    assert a["config"]["temperature"] == 1.5 and a["config"]["top_p"] == 0.9
+    assert run()["output_sha256"] != a["output_sha256"]
+    with pytest.raises(ValueError, match="top-p"):
+        BenchConfig(top_p=0.0).validate()
+
+
 def test_poisson_arrivals_and_prompts():
     from mambaserve.bench.serve import BenchConfig, arrival_times, make_prompts
 
