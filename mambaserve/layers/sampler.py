@@ -35,7 +35,7 @@ from mambaserve.layers.logits_processors import (
     apply_logit_bias,
     apply_token_bitmask,
 )
-from mambaserve.ops.sample_rows import GREEDY_EPS, sample_rows
+from mambaserve.ops.sample_rows import GREEDY_EPS, row_logprobs, sample_rows
 
 
 @dataclass(frozen=True)
@@ -159,13 +159,13 @@ def compute_logprobs(
     [N] float32, top-k ids [N, k] int64, top-k logprobs [N, k] float32) with
     k = min(num_logprobs, V), descending; the last two are None when num_logprobs == 0.
     """
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [N, 1]
-    lp = (x.gather(1, token_ids.to(torch.int64)[:, None]) - lse).squeeze(1)
+    # the targets' logprobs and the logsumexp: one launch on CUDA, no float32 copy of the logits
+    lp, lse = row_logprobs(logits, token_ids)
     if num_logprobs <= 0:
         return lp, None, None
-    vals, ids = torch.topk(x, min(num_logprobs, x.shape[-1]), dim=-1)  # same order as log_softmax
-    return lp, ids, vals - lse
+    k = min(num_logprobs, logits.shape[-1])
+    vals, ids = torch.topk(logits.float(), k, dim=-1)  # same order as log_softmax
+    return lp, ids, vals - lse[:, None]
 
 
 def process_logits(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

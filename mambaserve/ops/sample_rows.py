@@ -15,6 +15,12 @@ before it, on the rows it passes as `proc`).
   logits and parameters);
 - all_greedy (a host flag: every row greedy) skips the noise.
 
+    logprobs, lse = row_logprobs(raw, targets)
+
+gives the raw-logit logprob of given tokens (prompt-logprob targets, a sampled token whose top
+alternatives are asked for) and each row's logsumexp, in float32, through the same kernel:
+neither copies the logits to float32 on CUDA.
+
 The reference is the sampler's torch math; on CUDA one Triton launch does it all
 (`ops/triton/sample_rows.py`): every program reduces one block of a row's vocabulary, and the
 last of a row's programs to finish combines their partial results in a fixed order.
@@ -104,3 +110,19 @@ def sample_rows_ref(raw, proc, temperature, seed, step, all_greedy):
     x = raw.float()
     lse = torch.logsumexp(x, dim=-1)
     return ids, x.gather(1, ids[:, None]).squeeze(1) - lse
+
+
+def row_logprobs(raw: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """raw [N, V] (last dim contiguous), targets [N] int -> (raw[n, targets[n]] - lse[n] [N],
+    lse [N] = logsumexp(raw[n])), float32."""
+    if kernel_path("sample_rows", raw.device) == "triton":
+        from mambaserve.ops.triton.sample_rows import row_logprobs_triton
+
+        return row_logprobs_triton(raw, targets)
+    return row_logprobs_ref(raw, targets)
+
+
+def row_logprobs_ref(raw, targets):
+    x = raw.float()
+    lse = torch.logsumexp(x, dim=-1)
+    return x.gather(1, targets.to(torch.int64)[:, None]).squeeze(1) - lse, lse

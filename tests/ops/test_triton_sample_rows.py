@@ -10,9 +10,18 @@ import torch
 from triton_env import DEV, decide_as_cuda, require_interpreter  # before anything imports triton
 
 import mambaserve.ops.sample_rows as op
-from mambaserve.ops.sample_rows import GREEDY_EPS, sample_rows_ref, uniform_noise
+from mambaserve.ops.sample_rows import (
+    GREEDY_EPS,
+    row_logprobs_ref,
+    sample_rows_ref,
+    uniform_noise,
+)
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton.sample_rows import _sample_rows_kernel, sample_rows_triton
+from mambaserve.ops.triton.sample_rows import (
+    _sample_rows_kernel,
+    row_logprobs_triton,
+    sample_rows_triton,
+)
 
 require_interpreter(_sample_rows_kernel)
 
@@ -89,6 +98,22 @@ def test_a_nan_logit_is_the_largest_value_as_in_torch():
     assert ((ids >= 0) & (ids < 600)).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logprobs_of_given_tokens(dtype):
+    # prompt-logprob targets: the target's raw logprob and the row's logsumexp, any target
+    raw, _, _, _ = _rows(6, 3001, dtype, seed=8)
+    raw[2, :1024] = float("-inf")  # a masked block
+    targets = torch.tensor([0, 3000, 5, 17, 2048, 2047], device=DEV)
+    with tuning.override("sample_rows", block_v=512):
+        lp, lse = row_logprobs_triton(raw, targets)
+    ref_lp, ref_lse = row_logprobs_ref(raw, targets)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    assert lp[2] == float("-inf")  # a masked token
+    lp, lse = row_logprobs_triton(raw[:0], targets[:0])
+    assert lp.shape == lse.shape == (0,)
+
+
 def test_noise_is_the_references_bit_for_bit():
     # all-zero logits at temperature 1: the sampled token is the argmax of the noise itself
     V = 4099
@@ -120,7 +145,7 @@ def test_the_engine_samples_through_the_kernel_as_through_the_reference(tiny_ckp
     from mambaserve.engine.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+    params = [SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=3),
               SamplingParams(temperature=0.9, max_tokens=6, seed=3),
               SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=6, seed=5,
                              logprobs=1),
@@ -128,17 +153,24 @@ def test_the_engine_samples_through_the_kernel_as_through_the_reference(tiny_ckp
                              presence_penalty=0.5, frequency_penalty=0.3)]
 
     def run():
-        llm = LLM(tiny_ckpt, device="cpu", chunked_prefill_size=32)
-        return [o.outputs[0] for o in llm.generate(prompts, params)]
+        return LLM(tiny_ckpt, device="cpu", chunked_prefill_size=32).generate(prompts, params)
+
+    def close(xs, ys):  # per-token {token id: logprob} dicts
+        assert len(xs or []) == len(ys or [])
+        for x, y in zip(xs or [], ys or []):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.keys() == y.keys()
+                assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
     ref = run()
     paths = decide_as_cuda(monkeypatch, op)
     got = run()
     if DEV == "cpu":
         assert paths and set(paths) == {"triton"}
+    assert got[0].prompt_logprobs and len(got[0].prompt_logprobs) == len(prompts[0][
+        "prompt_token_ids"])
     for a, b in zip(got, ref):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs or [], b.logprobs or []):
-            assert x.keys() == y.keys()
-            for t in x:
-                assert abs(x[t] - y[t]) < 1e-4
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        close(a.outputs[0].logprobs, b.outputs[0].logprobs)
+        close(a.prompt_logprobs, b.prompt_logprobs)

@@ -18,6 +18,10 @@ Rounding: proc / T is an IEEE division and the noise's logarithms are libdevice'
 GPU (CUDA torch's `log`), so the scores are the reference's; the logsumexp's sum runs in another
 order than torch's (float32, ~1e-7 relative).
 
+`TARGETS` (`row_logprobs`): the rows' tokens are given (prompt-logprob targets, or the
+sampled tokens whose top alternatives are asked for): only the logsumexp's parts are reduced,
+and the last program writes raw[target] - logsumexp and the logsumexp itself.
+
 Launch parameters: `tuning` entry "sample_rows". No host sync: every decision is on the device.
 """
 
@@ -88,9 +92,10 @@ def _first_max(v, idx, BIG: tl.constexpr):
 
 @triton.jit
 def _sample_rows_kernel(raw_ptr, proc_ptr, temp_ptr, seed_ptr, step_ptr, part_ptr, idx_ptr,
-                        cnt_ptr, ids_ptr, lp_ptr, V, stride_raw, stride_proc, greedy_eps,
-                        num_blocks, HAS_PROC: tl.constexpr, ALL_GREEDY: tl.constexpr,
-                        HW_LOG: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr):
+                        cnt_ptr, ids_ptr, lp_ptr, lse_ptr, V, stride_raw, stride_proc,
+                        greedy_eps, num_blocks, HAS_PROC: tl.constexpr, ALL_GREEDY: tl.constexpr,
+                        TARGETS: tl.constexpr, HW_LOG: tl.constexpr, BLOCK_V: tl.constexpr,
+                        BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     blk = tl.program_id(1)
     offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -104,23 +109,24 @@ def _sample_rows_kernel(raw_ptr, proc_ptr, temp_ptr, seed_ptr, step_ptr, part_pt
         p = x
     mx = tl.max(x, axis=0)
     se = tl.sum(tl.exp(x - tl.where(mx == _NEG_INF, 0.0, mx)), axis=0)
-    g_max, g_idx = _first_max(p, offs, 2147483647)
-    if ALL_GREEDY:
-        s_max = g_max
-        s_idx = g_idx
-    else:
-        t = tl.load(temp_ptr + row)
-        t = tl.where(t < greedy_eps, 1.0, t)
-        score = tl.math.div_rn(p, tl.zeros_like(p) + t) + gumbel_noise_block(
-            tl.load(seed_ptr + row), tl.load(step_ptr + row), offs, HW_LOG)
-        s_max, s_idx = _first_max(tl.where(ok, score, _NEG_INF), offs, 2147483647)
     slot = row * num_blocks + blk
     tl.store(part_ptr + slot * 4 + 0, mx)
     tl.store(part_ptr + slot * 4 + 1, se)
-    tl.store(part_ptr + slot * 4 + 2, g_max)
-    tl.store(part_ptr + slot * 4 + 3, s_max)
-    tl.store(idx_ptr + slot * 2 + 0, g_idx)
-    tl.store(idx_ptr + slot * 2 + 1, s_idx)
+    if not TARGETS:  # the token is chosen here (with TARGETS it is given)
+        g_max, g_idx = _first_max(p, offs, 2147483647)
+        if ALL_GREEDY:
+            s_max = g_max
+            s_idx = g_idx
+        else:
+            t = tl.load(temp_ptr + row)
+            t = tl.where(t < greedy_eps, 1.0, t)
+            score = tl.math.div_rn(p, tl.zeros_like(p) + t) + gumbel_noise_block(
+                tl.load(seed_ptr + row), tl.load(step_ptr + row), offs, HW_LOG)
+            s_max, s_idx = _first_max(tl.where(ok, score, _NEG_INF), offs, 2147483647)
+        tl.store(part_ptr + slot * 4 + 2, g_max)
+        tl.store(part_ptr + slot * 4 + 3, s_max)
+        tl.store(idx_ptr + slot * 2 + 0, g_idx)
+        tl.store(idx_ptr + slot * 2 + 1, s_idx)
     tl.debug_barrier()  # every partial stored before the arrival is counted
     arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
     if arrived == num_blocks - 1:  # the row's last program: combine in block order
@@ -132,20 +138,27 @@ def _sample_rows_kernel(raw_ptr, proc_ptr, temp_ptr, seed_ptr, step_ptr, part_pt
         top = tl.max(mxs, axis=0)
         base = tl.where(top == _NEG_INF, 0.0, top)
         lse = top + tl.log(tl.sum(ses * tl.exp(mxs - base), axis=0))
-        gms = tl.load(part_ptr + slots * 4 + 2, mask=bok, other=_NEG_INF, cache_modifier=".cg")
-        gis = tl.load(idx_ptr + slots * 2 + 0, mask=bok, other=2147483647, cache_modifier=".cg")
-        _, tok = _first_max(gms, gis, 2147483647)
-        if not ALL_GREEDY:
-            sms = tl.load(part_ptr + slots * 4 + 3, mask=bok, other=_NEG_INF,
+        if TARGETS:  # ids_ptr holds the rows' given tokens
+            tok = tl.load(ids_ptr + row).to(tl.int32)
+        else:
+            gms = tl.load(part_ptr + slots * 4 + 2, mask=bok, other=_NEG_INF,
                           cache_modifier=".cg")
-            sis = tl.load(idx_ptr + slots * 2 + 1, mask=bok, other=2147483647,
+            gis = tl.load(idx_ptr + slots * 2 + 0, mask=bok, other=2147483647,
                           cache_modifier=".cg")
-            _, s_tok = _first_max(sms, sis, 2147483647)
-            tok = tl.where(tl.load(temp_ptr + row) < greedy_eps, tok, s_tok)
-        tok = tl.minimum(tok, V - 1)  # never past the row, whatever the logits hold
+            _, tok = _first_max(gms, gis, 2147483647)
+            if not ALL_GREEDY:
+                sms = tl.load(part_ptr + slots * 4 + 3, mask=bok, other=_NEG_INF,
+                              cache_modifier=".cg")
+                sis = tl.load(idx_ptr + slots * 2 + 1, mask=bok, other=2147483647,
+                              cache_modifier=".cg")
+                _, s_tok = _first_max(sms, sis, 2147483647)
+                tok = tl.where(tl.load(temp_ptr + row) < greedy_eps, tok, s_tok)
+        tok = tl.minimum(tl.maximum(tok, 0), V - 1)  # never outside the row
         xv = tl.load(raw_row + tok).to(tl.float32)
-        tl.store(ids_ptr + row, tok.to(tl.int64))
+        if not TARGETS:
+            tl.store(ids_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, xv - lse)
+        tl.store(lse_ptr + row, lse)
         tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
@@ -153,24 +166,39 @@ def sample_rows_triton(raw: torch.Tensor, proc: torch.Tensor, temperature: torch
                        seed: torch.Tensor, step: torch.Tensor, all_greedy: bool,
                        greedy_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`mambaserve.ops.sample_rows`'s contract (rows with temperature < greedy_eps greedy)."""
-    assert raw.dim() == 2 and raw.stride(-1) == 1, "sample_rows_triton takes [B, V] rows"
     assert proc.shape == raw.shape and proc.stride(-1) == 1, (proc.shape, raw.shape)
+    ids = torch.empty(raw.shape[0], dtype=torch.int64, device=raw.device)
+    lp, _ = _launch(raw, proc, temperature, seed, step, ids, all_greedy, greedy_eps,
+                    targets=False)
+    return ids, lp
+
+
+def row_logprobs_triton(raw: torch.Tensor, targets: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mambaserve.ops.row_logprobs`'s contract: (raw[n, targets[n]] - lse[n], lse[n])."""
+    assert targets.shape == raw.shape[:1], (targets.shape, raw.shape)
+    ids = targets.to(torch.int64).contiguous()
+    return _launch(raw, raw, ids, ids, ids, ids, True, 0.0, targets=True)
+
+
+def _launch(raw, proc, temperature, seed, step, ids, all_greedy, greedy_eps, targets):
+    assert raw.dim() == 2 and raw.stride(-1) == 1, "the sampler's kernel takes [N, V] rows"
     B, V = raw.shape
     assert 0 < V < 2**31 - 1, V
     assert B <= MAX_COLUMN_BLOCKS, f"{B} rows > {MAX_COLUMN_BLOCKS}"
-    ids = torch.empty(B, dtype=torch.int64, device=raw.device)
     lp = torch.empty(B, dtype=torch.float32, device=raw.device)
+    lse = torch.empty(B, dtype=torch.float32, device=raw.device)
     if B == 0:
-        return ids, lp
+        return lp, lse
     cfg = tuning.config("sample_rows", raw.device)
     block_v = min(cfg["block_v"], triton.next_power_of_2(V))
     blocks = triton.cdiv(V, block_v)
     part = torch.empty((B, blocks, 4), dtype=torch.float32, device=raw.device)
     idx = torch.empty((B, blocks, 2), dtype=torch.int32, device=raw.device)
     _sample_rows_kernel[(B, blocks)](
-        raw, proc, temperature, seed, step, part, idx, column_counters(raw.device), ids, lp,
+        raw, proc, temperature, seed, step, part, idx, column_counters(raw.device), ids, lp, lse,
         V, raw.stride(0), proc.stride(0), float(greedy_eps), blocks,
         HAS_PROC=proc.data_ptr() != raw.data_ptr() or proc.dtype != raw.dtype,
-        ALL_GREEDY=bool(all_greedy), HW_LOG=raw.device.type == "cuda",
+        ALL_GREEDY=bool(all_greedy), TARGETS=targets, HW_LOG=raw.device.type == "cuda",
         BLOCK_V=block_v, BLOCK_S=triton.next_power_of_2(blocks), num_warps=cfg["num_warps"])
-    return ids, lp
+    return lp, lse
