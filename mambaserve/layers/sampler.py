@@ -58,6 +58,12 @@ class SamplingBatch:
     bias_values: torch.Tensor | None = None  # [N] float32
     penalties: PenaltyBatch | None = None  # per-request token counts on the device
 
+    @property
+    def processes_logits(self) -> bool:
+        """Some row uses a logits processor (token mask, logit bias, penalties)."""
+        return self.token_bitmask is not None or self.bias_rows is not None \
+            or self.penalties is not None
+
     @staticmethod
     def host_arrays(temperature: list[float], top_k: list[int], top_p: list[float],
                     min_p: list[float], seed: list[int], step: list[int], *,
@@ -163,9 +169,15 @@ def compute_logprobs(
     lp, lse = row_logprobs(logits, token_ids)
     if num_logprobs <= 0:
         return lp, None, None
-    k = min(num_logprobs, logits.shape[-1])
-    vals, ids = torch.topk(logits.float(), k, dim=-1)  # same order as log_softmax
-    return lp, ids, vals - lse[:, None]
+    return (lp, *top_logprobs(logits, lse, num_logprobs))
+
+
+def top_logprobs(logits: torch.Tensor, lse: torch.Tensor, num_logprobs: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k = min(num_logprobs, V) most likely tokens of each row of logits [N, V] and their
+    logprobs given the rows' logsumexp lse [N]: ([N, k] int64, [N, k] float32), descending."""
+    vals, ids = torch.topk(logits.float(), min(num_logprobs, logits.shape[-1]), dim=-1)
+    return ids, vals - lse[:, None]  # same order as log_softmax
 
 
 def process_logits(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -187,9 +199,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     Returns token ids [B] int64 and raw logprobs; no host syncs, shapes depend on host ints only.
     With penalties, the sampled tokens are counted into their requests' rows on the device.
     """
-    processed = batch.token_bitmask is not None or batch.bias_rows is not None \
-        or batch.penalties is not None
-    proc = process_logits(logits.float(), batch) if processed else logits
+    proc = process_logits(logits.float(), batch) if batch.processes_logits else logits
     temperature = batch.temperature
     if batch.need_filters and not batch.all_greedy:
         # the filters (torch: they sort) on the rows' scaled logits; the op then divides by 1.
@@ -199,10 +209,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         proc = apply_filters(scaled, batch.top_k, batch.top_p, batch.min_p)
         temperature = torch.where(is_greedy, 0.0, 1.0)
     # the token and its raw logprob in one op (ops/sample_rows.py: one launch on CUDA)
-    ids, lp = sample_rows(logits, proc, temperature, batch.seed, batch.step, batch.all_greedy)
+    ids, lp, lse = sample_rows(logits, proc, temperature, batch.seed, batch.step,
+                               batch.all_greedy)
     if batch.penalties is not None:
         batch.penalties.record(ids)
     topk_ids = topk_lp = None
     if batch.num_logprobs > 0:
-        _, topk_ids, topk_lp = compute_logprobs(logits, ids, batch.num_logprobs)
+        topk_ids, topk_lp = top_logprobs(logits, lse, batch.num_logprobs)
     return SamplerOutput(token_ids=ids, logprobs=lp, topk_ids=topk_ids, topk_logprobs=topk_lp)

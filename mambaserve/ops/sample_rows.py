@@ -2,7 +2,7 @@
 last stage in one op (`layers/sampler.py` has the semantics and runs top-k / top-p / min-p
 before it, on the rows it passes as `proc`).
 
-    ids, logprobs = sample_rows(raw, proc, temperature, seed, step, all_greedy)
+    ids, logprobs, lse = sample_rows(raw, proc, temperature, seed, step, all_greedy)
 
 - raw [B, V]: the model's logits (any float dtype); the reported logprob is
   raw[b, id] - logsumexp(raw[b]) in float32;
@@ -13,7 +13,8 @@ before it, on the rows it passes as `proc`).
   other argmax(proc[b] / T + g), g the Gumbel noise of the row's (seed, step) at each token id
   (`gumbel_noise`: a counter-based 32-bit hash, so a row's token depends on nothing but its own
   logits and parameters);
-- all_greedy (a host flag: every row greedy) skips the noise.
+- all_greedy (a host flag: every row greedy) skips the noise;
+- lse [B]: each row's logsumexp(raw[b]) (for the top alternatives' logprobs).
 
     logprobs, lse = row_logprobs(raw, targets)
 
@@ -86,9 +87,10 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> tor
 
 def sample_rows(raw: torch.Tensor, proc: torch.Tensor, temperature: torch.Tensor,
                 seed: torch.Tensor, step: torch.Tensor, all_greedy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """raw, proc [B, V] (last dim contiguous); temperature [B] float32; seed, step [B] int64
-    -> (token ids [B] int64, logprobs [B] float32) as the module docstring says."""
+    -> (token ids [B] int64, logprobs [B] float32, lse [B] float32) as the module docstring
+    says."""
     if kernel_path("sample_rows", raw.device) == "triton":
         from mambaserve.ops.triton.sample_rows import sample_rows_triton
 
@@ -107,9 +109,7 @@ def sample_rows_ref(raw, proc, temperature, seed, step, all_greedy):
         scaled = p / temp[:, None]
         scaled.add_(gumbel_noise(seed, step, p.shape[-1]))
         ids = torch.where(is_greedy, greedy_ids, torch.argmax(scaled, dim=-1))
-    x = raw.float()
-    lse = torch.logsumexp(x, dim=-1)
-    return ids, x.gather(1, ids[:, None]).squeeze(1) - lse
+    return ids, *row_logprobs_ref(raw, ids)
 
 
 def row_logprobs(raw: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,11 +39,13 @@ def _rows(B, V, dtype, seed=0):
 
 
 def _check(raw, proc, temperature, seeds, steps, all_greedy):
-    ids, lp = sample_rows_triton(raw, proc, temperature, seeds, steps, all_greedy, GREEDY_EPS)
-    ref_ids, ref_lp = sample_rows_ref(raw, proc, temperature, seeds, steps, all_greedy)
+    ids, lp, lse = sample_rows_triton(raw, proc, temperature, seeds, steps, all_greedy,
+                                      GREEDY_EPS)
+    ref_ids, ref_lp, ref_lse = sample_rows_ref(raw, proc, temperature, seeds, steps, all_greedy)
     assert ids.dtype == torch.int64 and lp.dtype == torch.float32
     assert torch.equal(ids, ref_ids), (ids, ref_ids)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     return ids
 
 
@@ -90,11 +92,11 @@ def test_a_nan_logit_is_the_largest_value_as_in_torch():
     raw, temperature, seeds, steps = _rows(3, 600, torch.float32, seed=6)
     raw[0, 321] = float("nan")
     raw[1, [40, 500]] = float("nan")
-    ids, lp = sample_rows_triton(raw, raw, torch.zeros(3, device=DEV), seeds, steps, True,
+    ids, lp, _ = sample_rows_triton(raw, raw, torch.zeros(3, device=DEV), seeds, steps, True,
                                  GREEDY_EPS)
     assert ids.tolist()[:2] == [321, 40] == torch.argmax(raw, dim=-1).tolist()[:2]
     assert torch.isnan(lp[:2]).all() and not torch.isnan(lp[2])
-    ids, _ = sample_rows_triton(raw, raw, temperature[:3], seeds, steps, False, GREEDY_EPS)
+    ids, _, _ = sample_rows_triton(raw, raw, temperature[:3], seeds, steps, False, GREEDY_EPS)
     assert ((ids >= 0) & (ids < 600)).all()
 
 
@@ -120,7 +122,7 @@ def test_noise_is_the_references_bit_for_bit():
     raw = torch.zeros(6, V, device=DEV)
     _, _, seeds, steps = _rows(6, V, torch.float32, seed=4)
     ones = torch.ones(6, device=DEV)
-    ids, _ = sample_rows_triton(raw, raw, ones, seeds, steps, False, GREEDY_EPS)
+    ids, _, _ = sample_rows_triton(raw, raw, ones, seeds, steps, False, GREEDY_EPS)
     u = uniform_noise(seeds, steps, V)
     # -log(-log(u)) increases with u, and u is exact: the largest u's index is the token
     assert torch.equal(ids, torch.argmax(u, dim=-1))
@@ -129,8 +131,8 @@ def test_noise_is_the_references_bit_for_bit():
 def test_the_public_op_takes_the_kernel_on_cuda(monkeypatch):
     paths = decide_as_cuda(monkeypatch, op)
     raw, temperature, seeds, steps = _rows(6, 900, torch.float32, seed=5)
-    ids, lp = op.sample_rows(raw, raw, temperature, seeds, steps, all_greedy=False)
-    ref_ids, ref_lp = sample_rows_ref(raw, raw, temperature, seeds, steps, False)
+    ids, lp, _ = op.sample_rows(raw, raw, temperature, seeds, steps, all_greedy=False)
+    ref_ids, ref_lp, _ = sample_rows_ref(raw, raw, temperature, seeds, steps, False)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
     if DEV == "cpu":

@@ -164,13 +164,12 @@ def _sample_rows_kernel(raw_ptr, proc_ptr, temp_ptr, seed_ptr, step_ptr, part_pt
 
 def sample_rows_triton(raw: torch.Tensor, proc: torch.Tensor, temperature: torch.Tensor,
                        seed: torch.Tensor, step: torch.Tensor, all_greedy: bool,
-                       greedy_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       greedy_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`mambaserve.ops.sample_rows`'s contract (rows with temperature < greedy_eps greedy)."""
     assert proc.shape == raw.shape and proc.stride(-1) == 1, (proc.shape, raw.shape)
     ids = torch.empty(raw.shape[0], dtype=torch.int64, device=raw.device)
-    lp, _ = _launch(raw, proc, temperature, seed, step, ids, all_greedy, greedy_eps,
-                    targets=False)
-    return ids, lp
+    return ids, *_launch(raw, proc, temperature, seed, step, ids, all_greedy, greedy_eps,
+                         targets=False)
 
 
 def row_logprobs_triton(raw: torch.Tensor, targets: torch.Tensor
