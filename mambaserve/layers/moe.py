@@ -148,6 +148,8 @@ class MoE(nn.Module):
         else:
             ids, weights = self.gate(x)
             w_in, activation = self.experts_up, "relu2"
-        routed = moe_experts(x, w_in, self.experts_down, ids, weights, activation)
-        # sharded: both terms are this rank's partial sums, added before the one all-reduce
-        return self.tp.all_reduce(routed.to(x.dtype) + self.shared_experts(x))
+        # the routed sum rounded to the model dtype plus the shared expert's output (one pass on
+        # the kernel path); sharded: both terms are this rank's partial sums, added before the
+        # one all-reduce
+        return self.tp.all_reduce(moe_experts(x, w_in, self.experts_down, ids, weights,
+                                              activation, add=self.shared_experts(x)))

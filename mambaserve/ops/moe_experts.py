@@ -2,6 +2,7 @@
 its router chose, and their outputs, times the routing weights, are summed.
 
     moe_experts(x, w_in, w_out, topk_ids, topk_weights, activation) -> [T, H] float32
+    moe_experts(..., add=shared) -> [T, H] in shared's dtype: the sum rounded to it, plus shared
 
 x: [T, H] tokens; topk_ids: [T, k] the chosen experts (int); topk_weights: [T, k] their weights,
 float32 (NemotronH's router) or x's dtype (Granite's). activation "relu2": w_in [E, I, H] (up),
@@ -34,15 +35,18 @@ ACTIVATIONS = ("relu2", "swiglu")
 
 def moe_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                activation: str) -> torch.Tensor:
-    """The routed experts' weighted sum per token, [T, H] float32 (see the module docstring)."""
+                activation: str, add: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts' weighted sum per token, [T, H] float32 (see the module docstring);
+    with `add` ([T, H], e.g. the shared expert's output), `sum.to(add.dtype) + add` (the kernel
+    path does it in the pass that sums, instead of three)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}; use one of {ACTIVATIONS}")
     if kernel_path("moe_experts", x.device) == "triton":
         from mambaserve.ops.triton.moe_experts import moe_experts_triton
 
-        return moe_experts_triton(x, w_in, w_out, topk_ids, topk_weights, activation)
-    return moe_experts_ref(x, w_in, w_out, topk_ids, topk_weights, activation)
+        return moe_experts_triton(x, w_in, w_out, topk_ids, topk_weights, activation, add)
+    out = moe_experts_ref(x, w_in, w_out, topk_ids, topk_weights, activation)
+    return out if add is None else out.to(add.dtype) + add
 
 
 def dense_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -15,7 +15,9 @@ from mambaserve.ops.triton.moe_experts import (
     _moe_in_kernel,
     align_pairs,
     align_pairs_torch,
+    launch_params,
     moe_experts_triton,
+    tma_compatible,
 )
 
 require_interpreter(_moe_in_kernel)
@@ -88,7 +90,7 @@ def test_no_tokens():
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize("activation,E,k,H,I", [("relu2", 128, 6, 2688, 1856),
                                                 ("swiglu", 72, 10, 4096, 768)])
-@pytest.mark.parametrize("T", [1, 8, 64, 512])
+@pytest.mark.parametrize("T", [1, 8, 64, 512, 2048])
 def test_bf16_at_the_published_shapes_on_gpu(activation, E, k, H, I, T):
     args = case(T, H, I, E, k, activation, seed=T, dtype=torch.bfloat16,
                 weights_dtype=torch.float32 if activation == "relu2" else torch.bfloat16)
@@ -111,3 +113,82 @@ def test_align_kernel_gives_the_torch_layout(T, E, k, block_m):
     assert torch.equal(got_blocks, want_blocks)
     used = (want_blocks >= 0).sum().item() * block_m  # rows past the used blocks are not set
     assert torch.equal(got_rows[:used], want_rows[:used])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # padding rows of inter
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+@pytest.mark.parametrize("T,H,I,E,k,block_m", [(40, 32, 24, 6, 2, 64), (130, 48, 40, 12, 3, 128),
+                                               (9, 64, 16, 4, 4, 64)])
+def test_tma_loads_give_the_pointer_loads_result(activation, T, H, I, E, k, block_m):
+    """The prefill launch (weight tiles, and the out GEMM's rows of inter, through TMA
+    descriptors) against the pointer loads, bit for bit: column tiles that run past an expert's
+    rows (I and H not multiples of the tile) and K steps past the row's end. fp16: the
+    interpreter's float32 dots sum in an order that depends on the operand's layout."""
+    args = case(T, H, I, E, k, activation, seed=T + I, dtype=torch.float16)
+    tiles = dict(block_m=block_m, block_n_in=16, block_k_in=32, block_n_out=32, block_k_out=16)
+    with tuning.override("moe_experts", tma=False, **tiles):
+        want = moe_experts_triton(*args, activation)
+    with tuning.override("moe_experts", tma=True, **tiles):
+        got = moe_experts_triton(*args, activation)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, moe_experts_loop(*args, activation), rtol=2e-3, atol=2e-3)
+
+
+def test_launch_rules_by_block_size():
+    cfg = tuning.config("moe_experts", "cpu")
+    small, large = launch_params(cfg, 16, torch.device("cpu")), launch_params(
+        cfg, 128, torch.device("cpu"))
+    assert (small["block_n_in"], small["num_warps_in"], small["tma"]) == (64, 4, False)
+    assert (large["block_n_in"], large["block_n_out"], large["num_warps_out"]) == (128, 256, 8)
+    assert large["tma"] is False  # no TMA off CUDA unless forced
+    with tuning.override("moe_experts", block_n_out=32, tma=True):
+        forced = launch_params(tuning.config("moe_experts", "cpu"), 16, torch.device("cpu"))
+    assert (forced["block_n_out"], forced["tma"]) == (32, True)
+
+
+def test_unaligned_rows_fall_back_to_pointer_loads():
+    """fp16 rows of 20 elements (40 bytes) cannot be TMA-described: the launch takes the pointer
+    loads even when TMA is asked for, and the result still matches."""
+    args = case(24, 32, 20, 4, 2, "swiglu", seed=3, dtype=torch.float16,
+                weights_dtype=torch.float16)
+    assert not tma_compatible(args[2])
+    with tuning.override("moe_experts", block_m=64, block_n_in=16, block_k_in=16,
+                         block_n_out=16, block_k_out=16, tma=True):
+        got = moe_experts_triton(*args, "swiglu")
+    torch.testing.assert_close(got, moe_experts_loop(*args, "swiglu"), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("activation,E,k,H,I", [("relu2", 128, 6, 2688, 1856),
+                                                ("swiglu", 72, 10, 4096, 768)])
+def test_prefill_launch_tma_equals_pointer_loads_on_gpu(activation, E, k, H, I):
+    """bf16 at the published shapes, 2048 tokens (128-row blocks): the TMA launch the rules pick
+    on sm_90+ gives the pointer launch's result bit for bit."""
+    args = case(2048, H, I, E, k, activation, seed=1, dtype=torch.bfloat16,
+                weights_dtype=torch.float32 if activation == "relu2" else torch.bfloat16)
+    with tuning.override("moe_experts", tma=False):
+        want = moe_experts_triton(*args, activation)
+    with tuning.override("moe_experts", tma=True):
+        got = moe_experts_triton(*args, activation)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype,weights_dtype", [(torch.float32, torch.float32),
+                                                 (torch.float16, torch.float16)])
+@pytest.mark.parametrize("T,H", [(1, 32), (37, 48)])
+def test_the_sum_with_the_shared_output_added_is_torchs(T, H, dtype, weights_dtype):
+    """add=shared: the k-sum rounded to shared's dtype plus shared, as torch computes
+    `sum.to(dtype) + shared`, bit for bit (the sum itself from the same launch without add)."""
+    args = case(T, H, 24, 6, 3, "swiglu", seed=T, dtype=dtype, weights_dtype=weights_dtype)
+    shared = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype=dtype,
+                                                                              device=DEV)
+    with tuning.override("moe_experts", block_n_in=16, block_k_in=16, block_n_out=16,
+                         block_k_out=16, combine_block=64, combine_block_h=16):
+        routed = moe_experts_triton(*args, "swiglu")
+        got = moe_experts_triton(*args, "swiglu", add=shared)
+    assert routed.dtype == torch.float32 and got.dtype == dtype
+    assert torch.equal(got, routed.to(dtype) + shared)
+    pair_sum = moe_experts_ref(*args, "swiglu")
+    torch.testing.assert_close(routed, pair_sum, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(moe_experts(*args, "swiglu", add=shared),
+                               pair_sum.to(dtype) + shared, rtol=2e-3, atol=2e-3)

@@ -82,14 +82,15 @@ def pdl_launch(device: torch.device, kernel) -> dict:
 @functools.cache
 def _pdl_mode(device: torch.device) -> int:
     on = os.environ.get(PDL_ENV, "1") != "0"
-    return int(on and _PDL_BUILD and device.type == "cuda" and _hopper(device))
+    return int(on and _PDL_BUILD and device.type == "cuda" and hopper(device))
 
 
 pdl_launch.cache_clear = _pdl_mode.cache_clear
 
 
 @functools.cache
-def _hopper(device: torch.device) -> bool:
+def hopper(device: torch.device) -> bool:
+    """Whether the CUDA device is sm_90 or newer (TMA, wgmma, programmatic dependent launch)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(idx) >= (9, 0)
 

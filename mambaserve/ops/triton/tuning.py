@@ -81,11 +81,15 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # prefill conv snapshots: channels of one snapshot entry per program; not swept
     "conv_snapshot": MappingProxyType({"block_d": 256, "num_warps": 4}),
     # sparse MoE experts: block_m rows of one expert per block (None = 16 / 32 / 64 / 128 from
-    # the mean pairs per expert); column tiles and K steps of the in (x w_in^T, activation) and
-    # out (inter w_out^T, weight) GEMMs
-    "moe_experts": MappingProxyType({"block_m": None, "block_n_in": 64, "block_k_in": 64,
-                                     "block_n_out": 64, "block_k_out": 64, "num_warps": 4,
-                                     "num_stages": 3}),
+    # the mean pairs per expert); column tiles, K steps, warps and stages of the in (x w_in^T,
+    # activation) and out (inter w_out^T, weight) GEMMs, and TMA loads; None = the rules of
+    # `launch_params` (small blocks: decode; blocks of >= 64 rows: prefill); the k-sum (+ shared
+    # expert) launch: combine_block elements of combine_block_h columns per program; not swept
+    "moe_experts": MappingProxyType({
+        "block_m": None, "block_n_in": None, "block_k_in": 64, "num_warps_in": None,
+        "num_stages_in": 3, "block_n_out": None, "block_k_out": 64, "num_warps_out": None,
+        "num_stages_out": None, "tma": None, "combine_block": 4096, "combine_block_h": 1024,
+        "combine_num_warps": 4}),
     # linear of few rows (ops/triton/gemv.py): the dispatch routes at most max_m token rows of
     # bf16 / fp16 decode projections to it; None = the launcher's rules (`launch_plan`)
     "gemv": MappingProxyType({"max_m": 8, "use_dot": None, "block_n": None, "block_k": None,
