@@ -287,12 +287,17 @@ c.update(num_hidden_layers=4, hybrid_override_pattern='ME*E', vocab_size=1024); 
 write_config(c, '$dir')"
     run moe-audit 120 $MS audit-syncs --model "$dir" --device cuda --load-format dummy
 }
-stage_moe-presets() {  # one batch at the MoE presets (FLOPs and bytes on active parameters)
+stage_moe-presets() {  # one batch at the MoE presets (FLOPs and bytes on active parameters),
+    # overlap on; then transformers' GraniteMoeHybrid on granite-4.0-h-small's shapes (HF peer)
     for p in nemotron-3-nano-30b-a3b granite-4.0-h-small; do
         run "one-batch-$p" 280 $MS bench one-batch --preset $p --device cuda --dtype bfloat16 \
             --batch-size 1,8,64 --input-len 2048 --output-len 24 \
-            --engine enforce_eager=false,chunked_prefill_size=16384 --out "$W/one_batch_$p.json"
+            --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
+            --out "$W/one_batch_$p.json"
     done
+    run hf-granite-4.0-h-small 280 $MS bench one-batch --preset granite-4.0-h-small --backend hf \
+        --device cuda --dtype bfloat16 --batch-size 1 --input-len 512,2048 --output-len 8 \
+        --out "$W/hf_granite-4.0-h-small.json"
 }
 stage_prefill-graphs() {  # small prefill / mixed steps through CUDA graphs: GPU tests, batch-1 TTFT on vs off
     run prefill-graph-tests 200 $PY -m pytest -q -x -p no:cacheprovider tests/engine/test_prefill_graph.py \
