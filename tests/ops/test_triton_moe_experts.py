@@ -134,15 +134,16 @@ def test_tma_loads_give_the_pointer_loads_result(activation, T, H, I, E, k, bloc
     torch.testing.assert_close(got, moe_experts_loop(*args, activation), rtol=2e-3, atol=2e-3)
 
 
-def test_launch_rules_by_block_size():
+def test_launch_rules_by_block_size_and_dtype():
     cfg = tuning.config("moe_experts", "cpu")
-    small, large = launch_params(cfg, 16, torch.device("cpu")), launch_params(
-        cfg, 128, torch.device("cpu"))
+    small, large = launch_params(cfg, 16, 2, True), launch_params(cfg, 128, 2, True)
     assert (small["block_n_in"], small["num_warps_in"], small["tma"]) == (64, 4, False)
     assert (large["block_n_in"], large["block_n_out"], large["num_warps_out"]) == (128, 256, 8)
-    assert large["tma"] is False  # no TMA off CUDA unless forced
+    assert large["tma"] is True and launch_params(cfg, 128, 2, False)["tma"] is False
+    fp32 = launch_params(cfg, 128, 4, True)  # float32: the small tiles, no TMA
+    assert (fp32["block_n_in"], fp32["block_n_out"], fp32["tma"]) == (64, 64, False)
     with tuning.override("moe_experts", block_n_out=32, tma=True):
-        forced = launch_params(tuning.config("moe_experts", "cpu"), 16, torch.device("cpu"))
+        forced = launch_params(tuning.config("moe_experts", "cpu"), 16, 4, False)
     assert (forced["block_n_out"], forced["tma"]) == (32, True)
 
 

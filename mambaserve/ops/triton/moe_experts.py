@@ -254,17 +254,19 @@ def _moe_out_kernel(inter_ptr, inter_desc, w_ptr, w_desc, out_ptr, sorted_ptr, b
 LARGE_BLOCK_M = 64  # blocks of at least this many rows take the prefill launch rules
 
 
-def launch_params(cfg, block_m: int, device: torch.device) -> dict:
-    """The tuning entry's knobs with its None rules applied for blocks of `block_m` rows. Small
-    blocks (decode: a few rows per expert, bound by reading the weights): 64-column tiles, 4
-    warps, 3 stages, pointer loads. Large blocks (prefill, bound by the tensor cores): 128-column
-    in tiles with 8 warps, 256-column out tiles with 8 warps and 4 stages, and on sm_90+ the
-    weight tiles (and the out GEMM's rows of inter) loaded by TMA (docs/kernels.md)."""
-    large = block_m >= LARGE_BLOCK_M
+def launch_params(cfg, block_m: int, element_size: int, tma_capable: bool) -> dict:
+    """The tuning entry's knobs with its None rules applied for blocks of `block_m` rows of
+    `element_size`-byte operands. Small blocks (decode: a few rows per expert, bound by reading
+    the weights) and float32 operands: 64-column tiles, 4 warps, 3 stages, pointer loads. Large
+    blocks of 16-bit operands (prefill, bound by the tensor cores): 128-column in tiles with 8
+    warps, 256-column out tiles with 8 warps and 4 stages, and where `tma_capable` (sm_90+) the
+    weight tiles (and the out GEMM's rows of inter) loaded by TMA (docs/kernels.md); float32
+    tiles that wide would not fit in shared memory."""
+    large = block_m >= LARGE_BLOCK_M and element_size == 2
     rules = {"block_n_in": 128 if large else 64, "num_warps_in": 8 if large else 4,
              "block_n_out": 256 if large else 64, "num_warps_out": 8 if large else 4,
-             "num_stages_out": 4 if large else 3,
-             "tma": large and device.type == "cuda" and hopper(device), "block_m": block_m}
+             "num_stages_out": 4 if large else 3, "tma": large and tma_capable,
+             "block_m": block_m}
     return {name: rules[name] if value is None else value for name, value in cfg.items()}
 
 
@@ -331,7 +333,8 @@ def moe_experts_triton(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
     dt = _TL_DTYPES[x.dtype]
     ip = "ieee" if x.dtype == torch.float32 else "tf32"
     blocks = total // block_m
-    p = launch_params(cfg, block_m, x.device)
+    p = launch_params(cfg, block_m, x.element_size(),
+                      x.device.type == "cuda" and hopper(x.device))
     tma = p["tma"] and all(tma_compatible(t) for t in (w_in, w_out, inter))
     bn_in, bk_in, bn_out, bk_out = p["block_n_in"], p["block_k_in"], p["block_n_out"], \
         p["block_k_out"]
