@@ -27,7 +27,6 @@ outputs of the routed and shared experts are added before one all-reduce per lay
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mambaserve.config import ModelConfig
@@ -35,7 +34,9 @@ from mambaserve.distributed.group import TPGroup
 from mambaserve.distributed.parallel_modules import param_of, shard_range
 from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.scaling import scale_
+from mambaserve.ops.linear import linear
 from mambaserve.ops.moe_experts import moe_experts
+from mambaserve.ops.moe_routing import sigmoid_topk, softmax_topk
 
 
 class TopkRouter(nn.Module):
@@ -53,10 +54,12 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (chosen experts [T, top_k] int64, their weights [T, top_k] float32)."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
-        choice = scores + self.e_score_correction_bias
-        if self.topk_group < self.n_group:  # else every group is kept (Nemotron-3-Nano: 1 of 1)
-            choice = self._keep_top_groups(choice)
+        logits = x.float() @ self.weight.float().t()
+        if self.topk_group >= self.n_group:  # every group kept: one op (a launch on CUDA)
+            return sigmoid_topk(logits, self.e_score_correction_bias, self.top_k,
+                                self.norm_topk_prob, self.routed_scaling_factor)
+        scores = torch.sigmoid(logits)
+        choice = self._keep_top_groups(scores + self.e_score_correction_bias)
         topk_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         topk_w = scores.gather(1, topk_idx)
         if self.norm_topk_prob:
@@ -84,9 +87,7 @@ class SoftmaxTopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (chosen experts [T, top_k] int64, their weights [T, top_k] in x's
         dtype)."""
-        logits = F.linear(x, self.weight).float()
-        top_v, top_i = logits.topk(self.top_k, dim=-1)
-        return top_i, torch.softmax(top_v, dim=-1).to(x.dtype)
+        return softmax_topk(linear(x, self.weight), self.top_k, x.dtype)
 
 
 MOE_ROUTERS = ("sigmoid_grouped", "softmax_topk")

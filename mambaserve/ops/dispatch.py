@@ -118,6 +118,7 @@ CONDITIONS: dict[str, Condition | None] = {
     "sample_rows": None,
     "write_kv": None,
     "moe_experts": None,
+    "moe_routing": None,
     "paged_attention": None,
     # few token rows of a 16-bit model (decode projections): the bandwidth-bound kernel
     "gemv": Condition(("x", "weight"), _gemv_ok,

@@ -90,6 +90,8 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
         "num_stages_in": 3, "block_n_out": None, "block_k_out": 64, "num_warps_out": None,
         "num_stages_out": None, "tma": None, "combine_block": 4096, "combine_block_h": 1024,
         "combine_num_warps": 4}),
+    # MoE routing (ops/triton/moe_routing.py): one program per token; not swept
+    "moe_routing": MappingProxyType({"num_warps": 1}),
     # linear of few rows (ops/triton/gemv.py): the dispatch routes at most max_m token rows of
     # bf16 / fp16 decode projections to it; None = the launcher's rules (`launch_plan`)
     "gemv": MappingProxyType({"max_m": 8, "use_dot": None, "block_n": None, "block_k": None,

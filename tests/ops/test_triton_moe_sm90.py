@@ -1,8 +1,9 @@
-"""Every launch the MoE experts' rules pick fits a Hopper's shared memory. Compiled for sm_90 on
-the host (no GPU: tests/ops/offline_ptx.py), in each dtype, for decode-sized and prefill-sized
-blocks, with the TMA descriptors where the rules take them and the pointer loads a misaligned
-tensor falls back to. A float32 model once took the 16-bit prefill tiles and failed to capture
-its prefill graphs on an H100 (311 KB asked for, 227 KB there)."""
+"""The MoE kernels compiled for a Hopper (sm_90) on the host (no GPU: tests/ops/offline_ptx.py).
+Every launch the experts' rules pick fits its shared memory, in each dtype, for decode-sized and
+prefill-sized blocks, with the TMA descriptors where the rules take them and the pointer loads a
+misaligned tensor falls back to (a float32 model once took the 16-bit prefill tiles and failed to
+capture its prefill graphs on an H100: 311 KB asked for, 227 KB there). The routing kernel
+compiles with IEEE divisions."""
 
 from __future__ import annotations
 
@@ -62,19 +63,36 @@ for name, (tl_dt, size) in TYPES.items():
             report[f"out/{name}/{block_m}/{tma}"] = shared(
                 _moe_out_kernel, const, name, "fp32", desc, p["num_warps_out"],
                 p["num_stages_out"])
+from mambaserve.ops.triton.moe_routing import _route_kernel
+for sigmoid in (False, True):  # the routing kernel: libdevice's expf and IEEE divisions
+    sig = {n: "*fp32" if n.endswith("_ptr") and n != "ids_ptr" else "*i64" if n == "ids_ptr"
+           else "fp32" if n == "scale" else "i32" for n in _route_kernel.arg_names}
+    const = dict(K=10, SIGMOID=sigmoid, NORMALIZE=sigmoid, OUT_DT=tl.bfloat16, HW_EXP=True,
+                 BLOCK_E=128, BLOCK_K=16)
+    for n in const:
+        sig[n] = "constexpr"
+    ptx = triton.compile(ASTSource(_route_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 1}).asm["ptx"]
+    report[f"route/{sigmoid}"] = {"div_rn": "div.rn.f32" in ptx}
 print(json.dumps(report))
 '''
 
 
 @pytest.fixture(scope="module")
 def report():
-    return compile_report(SCRIPT, "the MoE experts' launches")
+    return compile_report(SCRIPT, "the MoE kernels")
 
 
 def test_every_rule_launch_fits_in_shared_memory(report):
+    report = {k: v for k, v in report.items() if not k.startswith("route/")}
     too_big = {k: v for k, v in report.items() if v > SMEM_LIMIT}
     assert not too_big, too_big
     # 2 GEMMs x (float32: 2 block sizes; fp16 / bf16: the decode block, the prefill one by TMA
     # and by pointers)
     assert len(report) == 16
     assert report["in/bf16/128/True"] > report["in/bf16/16/False"]  # the prefill tiles pipeline
+
+
+def test_routing_kernel_divides_exactly(report):
+    """Both routers compile, and their divisions are IEEE (`div.rn`), as torch's."""
+    assert report["route/False"]["div_rn"] and report["route/True"]["div_rn"]
