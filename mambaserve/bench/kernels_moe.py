@@ -9,6 +9,10 @@ Impls: our sparse Triton path ("triton"), the per-expert gather loop a user woul
 every expert over every token; only up to 2048 tokens). Rates: TB/s over the bytes of the expert
 weights the routing touches (their union) plus the activations in and out, for up to 64 tokens;
 TFLOP/s over the routed (active) matrix work above that.
+
+Also the router's last stage (logits to k experts and weights, `ops/moe_routing.py`): the
+kernel ("triton") against the routers' torch math ("torch"), op "moe routing NAME" (TB/s over
+the logits read and the ids and weights written: a launch-bound op, its time is what counts).
 """
 
 from __future__ import annotations
@@ -45,6 +49,30 @@ DENSE_MAX_TOKENS = 2048
 BANDWIDTH_MAX_TOKENS = 64
 
 
+def routing(h: Harness, s: MoeShape, T: int, g: torch.Generator) -> None:
+    """The router's last stage of shape s at T tokens: Granite's softmax over the top k from
+    model-dtype logits, NemotronH's sigmoid scores + bias from float32 ones."""
+    from mambaserve.ops.moe_routing import sigmoid_topk_ref, softmax_topk_ref
+    from mambaserve.ops.triton.moe_routing import route_topk_triton
+
+    if s.activation == "swiglu":
+        logits = torch.randn(T, s.E, device=h.device, dtype=h.dtype, generator=g)
+        impls = [("triton", lambda: route_topk_triton(logits, s.k, h.dtype)),
+                 ("torch", lambda: softmax_topk_ref(logits, s.k, h.dtype))]
+    else:
+        logits = torch.randn(T, s.E, device=h.device, generator=g)
+        bias = torch.randn(s.E, device=h.device, generator=g) * 0.1
+        impls = [("triton", lambda: route_topk_triton(logits, s.k, torch.float32, bias=bias,
+                                                      normalize=True, scale=2.5)),
+                 ("torch", lambda: sigmoid_topk_ref(logits, bias, s.k, True, 2.5))]
+    out_size = torch.tensor([], dtype=h.dtype if s.activation == "swiglu" else torch.float32)
+    nbytes = logits.numel() * logits.element_size() + T * s.k * (8 + out_size.element_size())
+    for impl, fn in impls:
+        ms = h.time_ms(fn, rep=30)
+        h.row(op=f"moe routing {s.name}", impl=impl, tokens=T, us=ms * 1e3,
+              TBps=nbytes / ms / 1e9)
+
+
 def moe(h: Harness, token_counts: list[int], sweep: bool = False) -> None:
     from mambaserve.ops.moe_experts import moe_experts_loop, moe_experts_ref
     from mambaserve.ops.triton import tuning
@@ -60,6 +88,7 @@ def moe(h: Harness, token_counts: list[int], sweep: bool = False) -> None:
         wdt = torch.float32 if s.activation == "relu2" else dt
         expert_bytes = (in_rows + s.I) * s.H * w_in.element_size()
         for T in token_counts:
+            routing(h, s, T, g)
             x = torch.randn(T, s.H, device=dev, dtype=dt, generator=g)
             ids = torch.rand(T, s.E, device=dev, generator=g).argsort(dim=1)[:, : s.k]
             w = torch.rand(T, s.k, device=dev, generator=g).softmax(-1).to(wdt)

@@ -45,7 +45,10 @@ def test_dry_moe_case(tmp_path):
     for op in ("moe dry-relu2", "moe dry-swiglu"):
         for impl in ("triton", "torch loop", "dense ref"):
             assert {(op, impl, 1), (op, impl, 20)} <= got
-    errs = [r["rel_err"] for r in rows if r["impl"] == "triton"]
+    for op in ("moe routing dry-relu2", "moe routing dry-swiglu"):
+        for impl in ("triton", "torch"):
+            assert {(op, impl, 1), (op, impl, 20)} <= got
+    errs = [r["rel_err"] for r in rows if r["impl"] == "triton" and "rel_err" in r]
     assert len(errs) == 4 and all(e < 1e-2 for e in errs), errs
 
 
