@@ -279,7 +279,8 @@ stage_overlap() {  # overlap scheduling on the GPU: its tests, the sync audit, o
 stage_moe() {  # the sparse experts and the routing: GPU tests, kernel timings, the sync audit of
     # an MoE model
     run moe-tests 240 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_triton_moe_experts.py \
-        tests/ops/test_moe_experts.py tests/layers/test_moe.py tests/ops/test_triton_moe_routing.py
+        tests/ops/test_moe_experts.py tests/layers/test_moe.py tests/ops/test_triton_moe_routing.py \
+        tests/ops/test_triton_moe_align.py
     run moe-kernels 240 $MS bench kernels --only moe --out "$W/kernels_moe.json"
     local dir=$W/moe_small
     $PY -c "from mambaserve.bench.presets import preset_config, write_config; \

@@ -67,7 +67,7 @@ def test_unknown_activation_is_refused():
 
 
 triton = pytest.importorskip("triton")
-from mambaserve.ops.triton.moe_experts import align_pairs_torch, padded_pairs  # noqa: E402
+from mambaserve.ops.triton.moe_align import align_pairs_torch, padded_pairs  # noqa: E402
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

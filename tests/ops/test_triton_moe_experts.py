@@ -13,8 +13,6 @@ from mambaserve.ops.moe_experts import moe_experts, moe_experts_loop, moe_expert
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.moe_experts import (
     _moe_in_kernel,
-    align_pairs,
-    align_pairs_torch,
     launch_params,
     moe_experts_triton,
     tma_compatible,
@@ -97,22 +95,6 @@ def test_bf16_at_the_published_shapes_on_gpu(activation, E, k, H, I, T):
     got = moe_experts(*args, activation)  # the public op takes the kernel on CUDA
     ref = moe_experts_ref(*args, activation)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("block_m", [16, 64])
-@pytest.mark.parametrize("T,E,k", [(1, 128, 6), (3, 4, 4), (64, 8, 2), (120, 72, 10),
-                                   (33, 16, 1), (2, 256, 8)])
-def test_align_kernel_gives_the_torch_layout(T, E, k, block_m):
-    g = torch.Generator().manual_seed(T + E)
-    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
-    if T >= 3:
-        ids[: T // 2, 0] = 1
-    ids = ids.to(DEV)
-    want_rows, want_blocks = align_pairs_torch(ids, E, block_m)
-    got_rows, got_blocks = align_pairs(ids, E, block_m)
-    assert torch.equal(got_blocks, want_blocks)
-    used = (want_blocks >= 0).sum().item() * block_m  # rows past the used blocks are not set
-    assert torch.equal(got_rows[:used], want_rows[:used])
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # padding rows of inter

@@ -3,7 +3,7 @@ Every launch the experts' rules pick fits its shared memory, in each dtype, for 
 prefill-sized blocks, with the TMA descriptors where the rules take them and the pointer loads a
 misaligned tensor falls back to (a float32 model once took the 16-bit prefill tiles and failed to
 capture its prefill graphs on an H100: 311 KB asked for, 227 KB there). The routing kernel
-compiles with IEEE divisions."""
+compiles with IEEE divisions, the layout kernels of large batches within shared memory."""
 
 from __future__ import annotations
 
@@ -74,6 +74,17 @@ for sigmoid in (False, True):  # the routing kernel: libdevice's expf and IEEE d
     ptx = triton.compile(ASTSource(_route_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 1}).asm["ptx"]
     report[f"route/{sigmoid}"] = {"div_rn": "div.rn.f32" in ptx}
+from mambaserve.ops.triton.moe_align import (_chunk_counts_kernel, _chunk_offsets_kernel,
+                                              _chunk_scatter_kernel)
+layout = {_chunk_counts_kernel: dict(BLOCK_E=128, CHUNK=1024, SUB=64),
+          _chunk_offsets_kernel: dict(BLOCK_E=128, BLOCK_C=64, BLOCK_M=128),
+          _chunk_scatter_kernel: dict(BLOCK_E=128, CHUNK=1024, SUB=64)}
+for kernel, const in layout.items():  # the layout above 8192 pairs
+    sig = {n: "constexpr" if n in const else "*i32" if n.endswith("_ptr") else "i32"
+           for n in kernel.arg_names}
+    k = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+    report[f"layout/{kernel.fn.__name__}"] = k.metadata.shared
 print(json.dumps(report))
 '''
 
@@ -84,7 +95,7 @@ def report():
 
 
 def test_every_rule_launch_fits_in_shared_memory(report):
-    report = {k: v for k, v in report.items() if not k.startswith("route/")}
+    report = {k: v for k, v in report.items() if not k.startswith(("route/", "layout/"))}
     too_big = {k: v for k, v in report.items() if v > SMEM_LIMIT}
     assert not too_big, too_big
     # 2 GEMMs x (float32: 2 block sizes; fp16 / bf16: the decode block, the prefill one by TMA
@@ -96,3 +107,8 @@ def test_every_rule_launch_fits_in_shared_memory(report):
 def test_routing_kernel_divides_exactly(report):
     """Both routers compile, and their divisions are IEEE (`div.rn`), as torch's."""
     assert report["route/False"]["div_rn"] and report["route/True"]["div_rn"]
+
+
+def test_layout_kernels_compile_within_shared_memory(report):
+    layout = {k: v for k, v in report.items() if k.startswith("layout/")}
+    assert len(layout) == 3 and max(layout.values()) <= SMEM_LIMIT, layout

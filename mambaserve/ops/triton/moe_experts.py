@@ -1,14 +1,10 @@
 """Triton sparse experts: the routed (token, expert) pairs sorted into one-expert blocks, then two
 grouped GEMMs over the blocks. Same contract as `mambaserve.ops.moe_experts.moe_experts`.
 
-1. `align_pairs` (no sync): the T*k pairs are sorted by expert (stable) and laid out
-   in blocks of `block_m` rows, each expert's run padded to a multiple of `block_m`; padding rows
-   hold the sentinel T*k. The layout's length is the host-known bound
-   P_pad = round_up(T*k + min(E, T*k) * (block_m - 1), block_m), so the grids depend on T only
-   (CUDA-graph friendly); `block_expert[b]` is block b's expert, or -1 for blocks past the used
-   ones, which exit at once. Up to `ALIGN_KERNEL_MAX_PAIRS` pairs (decode, small prefills) one
-   Triton launch (`_align_kernel`, a program per expert) builds the layout, above it a dozen
-   torch ops (`align_pairs_torch`) do; both give the same layout.
+1. `align_pairs` (`moe_align.py`, no sync): the T*k pairs sorted by expert (stable) into blocks
+   of `block_m` rows of one expert each, padded per expert; the layout's length is a host-known
+   bound, so the grids depend on T only (CUDA-graph friendly); blocks past the used ones carry
+   expert -1 and exit at once.
 2. `_moe_in_kernel`: per (block, column tile) program, the block's token rows of x (gathered)
    times its expert's w_in, with the activation fused (relu², or SwiGLU from the gate and up
    tiles of the same columns), into `inter` [P_pad, I] in block order.
@@ -38,109 +34,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import hopper
+from mambaserve.ops.triton.moe_align import align_pairs, default_block_m
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def default_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per block from the mean pairs per expert: small blocks waste little padding when few
-    tokens reach each expert (decode), large ones reuse each weight tile over more rows."""
-    per_expert = num_pairs / num_experts
-    for block_m in (16, 32, 64):
-        if per_expert <= block_m:
-            return block_m
-    return 128
-
-
-def padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The host-known length of the block layout (see the module docstring)."""
-    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
-
-
-ALIGN_KERNEL_MAX_PAIRS = 8192
-
-
-def align_pairs(topk_ids: torch.Tensor, num_experts: int,
-                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_pairs [P_pad] int32: pair index t*k+j per row, sentinel T*k on padding rows (rows
-    of blocks past the used ones are left unset: no kernel reads them); block_expert
-    [P_pad / block_m] int32: the expert of each block, -1 past the used blocks). Fixed shapes
-    and device ops only: no host sync."""
-    num_pairs = topk_ids.numel()
-    if num_pairs > ALIGN_KERNEL_MAX_PAIRS:
-        return align_pairs_torch(topk_ids, num_experts, block_m)
-    total = padded_pairs(num_pairs, num_experts, block_m)
-    dev = topk_ids.device
-    sorted_pairs = torch.empty(total, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(total // block_m, dtype=torch.int32, device=dev)
-    _align_kernel[(num_experts,)](
-        topk_ids.reshape(-1).contiguous(), sorted_pairs, block_expert, num_pairs, total // block_m,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=256, num_warps=4)
-    return sorted_pairs, block_expert
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_blocks,
-                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Program e: every expert's pair count (so its padded start), then its own pairs in pair
-    order, its padding rows, its blocks' expert ids; program 0 also marks the unused blocks."""
-    e = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        offs = p0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
-    count = tl.sum(tl.where(experts == e, counts, 0), axis=0)
-    end = start + tl.sum(tl.where(experts == e, padded, 0), axis=0)
-    done = 0
-    for p0 in range(0, num_pairs, CHUNK):
-        offs = p0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        mine = (ids == e).to(tl.int32)
-        dest = start + done + tl.cumsum(mine, axis=0) - 1
-        tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=mine != 0)
-        done += tl.sum(mine, axis=0)
-    pad_rows = start + count + tl.arange(0, BLOCK_M)
-    tl.store(sorted_ptr + pad_rows, tl.full((BLOCK_M,), 0, tl.int32) + num_pairs,
-             mask=pad_rows < end)
-    for b0 in range(start // BLOCK_M, end // BLOCK_M, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        tl.store(block_expert_ptr + blocks, tl.full((CHUNK,), 0, tl.int32) + e,
-                 mask=blocks < end // BLOCK_M)
-    if e == 0:
-        used = tl.sum(padded, axis=0) // BLOCK_M
-        for b0 in range(used, num_blocks, CHUNK):
-            blocks = b0 + tl.arange(0, CHUNK)
-            tl.store(block_expert_ptr + blocks, tl.full((CHUNK,), -1, tl.int32),
-                     mask=blocks < num_blocks)
-
-
-def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int,
-                      block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_pairs` in torch ops (every row of sorted_pairs set)."""
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    pad_start = pad_end - padded
-    count_start = counts.cumsum(0) - counts
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in pair order within
-    expert_of = flat[order]
-    rank = torch.arange(num_pairs, device=dev) - count_start[expert_of]
-    total = padded_pairs(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.full((total,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs[pad_start[expert_of] + rank] = order.to(torch.int32)
-    block_first_row = torch.arange(0, total, block_m, device=dev)
-    block_expert = torch.searchsorted(pad_end, block_first_row, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_pairs, block_expert
 
 
 @triton.jit
