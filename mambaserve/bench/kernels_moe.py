@@ -65,8 +65,9 @@ def routing(h: Harness, s: MoeShape, T: int, g: torch.Generator) -> None:
         impls = [("triton", lambda: route_topk_triton(logits, s.k, torch.float32, bias=bias,
                                                       normalize=True, scale=2.5)),
                  ("torch", lambda: sigmoid_topk_ref(logits, bias, s.k, True, 2.5))]
-    out_size = torch.tensor([], dtype=h.dtype if s.activation == "swiglu" else torch.float32)
-    nbytes = logits.numel() * logits.element_size() + T * s.k * (8 + out_size.element_size())
+    weight_dtype = h.dtype if s.activation == "swiglu" else torch.float32
+    nbytes = (logits.numel() * logits.element_size()
+              + T * s.k * (8 + torch.finfo(weight_dtype).bits // 8))
     for impl, fn in impls:
         ms = h.time_ms(fn, rep=30)
         h.row(op=f"moe routing {s.name}", impl=impl, tokens=T, us=ms * 1e3,
