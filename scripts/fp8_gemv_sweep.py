@@ -4,8 +4,9 @@ over candidate launch settings, and the activation quantization passes that feed
 M = 1, 8 and 64 token rows (the kernel's max_m raised to 64 for the run; the `_scaled_mm` path
 that batches above max_m take beside it): device time per call through CUDA graphs, each call on
 its own weight copy (the copies together exceed the L2 cache, as in a decode step), weight bytes
-over time against the copy ceiling. Each candidate is checked against the reference math on the same quantized operands
-first. Prints tables and writes JSON.
+over time against the copy ceiling (`--candidates rows --m 16,32,64`: tensor-core launches for a
+decode batch beside the bf16 product such a batch takes). Each candidate is checked against the
+reference math on the same quantized operands first. Prints tables and writes JSON.
 
     python scripts/fp8_gemv_sweep.py --out fp8_gemv_sweep.json          # on a GPU
 """
@@ -29,6 +30,7 @@ from mambaserve.ops.fp8_matmul import (
     quantize_weight_fp8,
 )
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm
+from mambaserve.ops.linear import linear
 from mambaserve.ops.rmsnorm import rms_norm
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.fp8_gemv import fp8_gemv_triton, launch_plan
@@ -85,13 +87,36 @@ NATIVE = [  # native e4m3 wgmma instructions, each promoted to the float32 sum (
     {"dot_min_m": 1, "promote_k": 32, "block_n": 64, "block_k": 256, "split_k": 2},
     {"dot_min_m": 1, "promote_k": 128, "block_n": 64, "block_k": 256},
 ]
+ROWS = [  # tensor-core launches for a decode batch of 16-128 rows (`--candidates rows`)
+    {"dot_min_m": 1},
+    {"dot_min_m": 1, "block_k": 128, "num_stages": 4},
+    {"dot_min_m": 1, "block_k": 128, "num_stages": 4, "split_waves": 1},
+    {"dot_min_m": 1, "block_k": 128, "num_stages": 3, "split_waves": 1},
+    {"dot_min_m": 1, "block_k": 128, "num_stages": 4, "split_waves": 4},
+    {"dot_min_m": 1, "block_k": 256, "num_stages": 3, "split_waves": 1},
+    {"dot_min_m": 1, "block_k": 256, "num_stages": 4, "split_waves": 1},
+    {"dot_min_m": 1, "block_n": 32, "block_k": 256, "num_stages": 3},
+    {"dot_min_m": 1, "block_n": 32, "block_k": 256, "num_stages": 3, "split_waves": 1},
+    {"dot_min_m": 1, "block_n": 32, "block_k": 128, "num_stages": 4, "split_waves": 1},
+    {"dot_min_m": 1, "block_n": 128, "block_k": 128, "num_stages": 3, "num_warps": 8},
+]
+
+RULES = [  # `--candidates rules`: the launch rules against the former tensor-core rules
+    {"dot_min_m": 4},
+    {"dot_min_m": 4, "block_k": 256, "num_stages": 3, "split_waves": 2},
+]
 
 
 def candidates(M: int, which: str = "all") -> list[dict]:
     """FMA launches and the tensor-core ones for one or two rows; tensor-core ones above; the
-    native fp8 ones everywhere (`which` "native": the rules and those only)."""
+    native fp8 ones everywhere (`which` "native": the rules and those only; "rows": the
+    tensor-core launches for batches of 16-128 rows)."""
     if which == "native":
         return [{}] + NATIVE
+    if which == "rows":
+        return ROWS
+    if which == "rules":
+        return RULES
     if M <= 2:
         return FMA + DOT[:5] + DOT[7:11] + NATIVE
     return (DOT if M <= 8 else DOT[:11]) + NATIVE  # no CUDA-core launch for many rows
@@ -114,10 +139,18 @@ def sweep_gemv(ceiling: float, ms: list[int], which: str = "all") -> list[dict]:
                    "pct": 100 * N * K / (t_mm * 1e-6) / ceiling}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if which in ("rows", "rules"):  # the bf16 product this batch takes in bf16
+                wb = [w.to(torch.bfloat16) * sc[:, None].to(torch.bfloat16) for w, sc in ws]
+                t_bf = graph_time_us(fns=[lambda w=w: linear(x, w) for w in wb])
+                row = {"op": name, "M": M, "K": K, "N": N, "knobs": "bf16", "us": t_bf,
+                       "pct": 100 * 2 * N * K / (t_bf * 1e-6) / ceiling}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del wb
             for knobs in candidates(M, which):
                 row = {"op": name, "M": M, "K": K, "N": N, "knobs": knobs}
                 try:
-                    with tuning.override("fp8_gemv", **{"dot_min_m": 99, "max_m": 64, **knobs}):
+                    with tuning.override("fp8_gemv", **{"dot_min_m": 99, "max_m": 128, **knobs}):
                         got = fp8_gemv_triton(q, ws[0][0], ws[0][1], x_scale=s,
                                               out_dtype=x.dtype).float()
                         err = ((got - want).abs() / (want.abs() + 1e-2)).max().item()
@@ -181,8 +214,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", default="1,8,64")
     ap.add_argument("--only", choices=["gemv", "quant"], default=None)
-    ap.add_argument("--candidates", choices=["all", "native"], default="all",
-                    help="native: the launch rules and the native fp8 wgmma launches only")
+    ap.add_argument("--candidates", choices=["all", "native", "rows", "rules"], default="all",
+                    help="native: the launch rules and the native fp8 wgmma launches only; "
+                         "rows: tensor-core launches for 16-128 rows, with the bf16 product; "
+                         "rules: the launch rules against the former tensor-core rules")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     ms = [int(m) for m in a.m.split(",")]
@@ -206,7 +241,8 @@ def main(argv=None) -> int:
                 if len(rs) == len(SHAPES):
                     g = math.exp(sum(math.log(best[(r["op"], M)]["us"] / r["us"]) for r in rs)
                                  / len(rs))
-                    print(f"  M={M} candidate {i} {knobs}: geomean best/it {g:.3f}")
+                    print(f"  M={M} candidate {i} {knobs}: geomean best/it {g:.3f}, "
+                          f"{sum(r['us'] for r in rs):.1f} us over the projections")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

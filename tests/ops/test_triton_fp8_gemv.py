@@ -117,7 +117,7 @@ def _check(got, x, wq, ws, in_scale, b, rel=1e-5):
 
 CPU_CASES = [  # M, K, N: neither K nor N a multiple of any block
     (1, 200, 37), (2, 333, 50), (3, 129, 70), (4, 301, 19), (5, 250, 66), (8, 97, 33),
-    (13, 160, 45), (16, 211, 80)]
+    (13, 160, 45), (16, 211, 80), (24, 150, 40), (32, 97, 21)]
 
 
 @cpu_only
@@ -195,9 +195,29 @@ def test_launch_plan_rules():
     for p in (p1, p64):
         assert p["k_per_split"] % p["block_k"] == 0
         assert (p["split_k"] - 1) * p["k_per_split"] < 15680 <= p["split_k"] * p["k_per_split"]
-    x, wq, ws, _, _ = _operands(17, 32, 16, seed=0)
+    x, wq, ws, _, _ = _operands(33, 32, 16, seed=0)
     with pytest.raises(AssertionError, match="max_m"):
         fp8_gemv_triton(x, wq, ws)
+
+
+def test_tensor_core_rules(monkeypatch):
+    """The tensor-core launches on an H100's 132 SMs at the 9B shapes: 128-wide K steps in 4
+    stages; K split until 1.5 waves of programs (the 70 column blocks of out_proj 4 ways, the 245
+    of up_proj and 354 of in_proj not at all); the FMA launches of one row keep 2 waves and 3
+    stages; `split_waves` and `num_stages` override."""
+    from mambaserve.ops.triton import fp8_gemv
+
+    monkeypatch.setattr(fp8_gemv, "num_sms", lambda device: 132)
+    for M in (4, 8, 16, 17, 32):
+        p = launch_plan(M, 4480, 10240, "cpu")
+        assert p["use_dot"] and (p["block_k"], p["num_stages"], p["split_k"]) == (128, 4, 4)
+        assert launch_plan(M, 15680, 4480, "cpu")["split_k"] == 1
+        assert launch_plan(M, 22656, 4480, "cpu")["split_k"] == 1
+    one = launch_plan(1, 4480, 10240, "cpu")
+    assert not one["use_dot"] and one["num_stages"] == 3
+    with tuning.override("fp8_gemv", split_waves=2, num_stages=3):
+        p = launch_plan(16, 15680, 4480, "cpu")
+        assert (p["split_k"], p["num_stages"]) == (2, 3)
 
 
 def test_dispatch_is_on_by_default_and_bounded_by_max_m(monkeypatch):
@@ -210,9 +230,11 @@ def test_dispatch_is_on_by_default_and_bounded_by_max_m(monkeypatch):
     assert kernel_path("fp8_gemv", "cuda:0", x=x, weight=w) == "reference"  # switched off
     monkeypatch.delenv(FP8_GEMV_ENV, raising=False)
     assert kernel_path("fp8_gemv", "cpu", x=x, weight=w) == "reference"
-    assert kernel_path("fp8_gemv", "cuda:0", x=x, weight=w) == "triton"  # 6 rows <= 16
+    assert kernel_path("fp8_gemv", "cuda:0", x=x, weight=w) == "triton"  # 6 rows <= 32
     assert kernel_path("fp8_gemv", "cuda:0", x=x.float(), weight=w) == "reference"
-    big = torch.zeros(17, 64, dtype=torch.bfloat16)
+    assert kernel_path("fp8_gemv", "cuda:0", x=torch.zeros(32, 64, dtype=torch.bfloat16),
+                       weight=w) == "triton"
+    big = torch.zeros(33, 64, dtype=torch.bfloat16)
     assert kernel_path("fp8_gemv", "cuda:0", x=big, weight=w) == "reference"
     with tuning.override("fp8_gemv", max_m=64):
         assert kernel_path("fp8_gemv", "cuda:0", x=big, weight=w) == "triton"
@@ -269,7 +291,7 @@ def _gpu_check(got, x, wq, ws, in_scale, b, sum_rel=2e-5):
 
 
 @gpu
-@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("M", [1, 8, 16, 32])
 @pytest.mark.parametrize("K,N", SHAPES_9B)
 @pytest.mark.parametrize("static", [False, True])
 def test_gpu_9b_shapes_match_the_reference(M, K, N, static):

@@ -170,12 +170,17 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
     its None knobs resolved. Rules (None):
       block_n: 64 with tensor cores; with FMAs 8 when the 8-column blocks number >= 4 per SM,
                else 4 (the bf16 kernel's rule, `ops/triton/gemv.py`);
-      block_k: 256 with tensor cores (`scripts/fp8_gemv_sweep.py` at the 9B shapes, 8 rows:
-               28.0 / 17.0 / 23.2 / 23.8 us against 30.1 / 18.8 / 22.1 / 26.9 at 128);
-               with FMAs 4096 // (block_n * BLOCK_M) (the float32 accumulator's size), at
-               least 32, at most pow2(K);
-      split_k: doubled from 1 while the programs are fewer than 2 per SM, each part keeps at
-               least 2 K steps, and split_k < 16."""
+      block_k: 128 with tensor cores; with FMAs 4096 // (block_n * BLOCK_M) (the float32
+               accumulator's size), at least 32, at most pow2(K);
+      num_stages: 4 with tensor cores, 3 with FMAs;
+      split_k: doubled from 1 while the programs are fewer than `split_waves` per SM (None: 1.5
+               with tensor cores, 2 with FMAs), each part keeps at least 2 K steps, and
+               split_k < 16.
+    The tensor-core rules come from `scripts/fp8_gemv_sweep.py --candidates rows` at the 9B
+    shapes (H100, 16 and 32 rows, docs/kernels.md): 128-wide K steps in 4 stages read the wide
+    in_proj 12 % faster than 256-wide ones in 3; 1.5 waves keep the 245 column blocks of up_proj
+    whole (a second split made it 15-25 % slower) while the 70 of out_proj / down_proj still
+    split 4 ways (2 ways: 10-15 % slower)."""
     cfg = tuning.config("fp8_gemv", device)
     use_dot = M >= cfg["dot_min_m"]
     block_m = max(16, pow2(M)) if use_dot else pow2(M)
@@ -185,11 +190,17 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
         block_n = 64 if use_dot else (8 if triton.cdiv(N, 8) >= 4 * sms else 4)
     block_k = cfg["block_k"]
     if block_k is None:
-        block_k = 256 if use_dot else max(32, min(4096 // (block_n * block_m), pow2(K)))
+        block_k = 128 if use_dot else max(32, min(4096 // (block_n * block_m), pow2(K)))
+    num_stages = cfg["num_stages"]
+    if num_stages is None:
+        num_stages = 4 if use_dot else 3
     split_k = cfg["split_k"]
     if split_k is None:
+        waves = cfg["split_waves"]
+        if waves is None:
+            waves = 1.5 if use_dot else 2
         split_k, blocks = 1, triton.cdiv(N, block_n)
-        while (blocks * split_k < 2 * sms and split_k < 16
+        while (blocks * split_k < waves * sms and split_k < 16
                and triton.cdiv(K, block_k) >= 4 * split_k):
             split_k *= 2
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
@@ -197,7 +208,7 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
     return {"use_dot": use_dot, "block_m": block_m, "block_n": block_n, "block_k": block_k,
             "split_k": split_k, "k_per_split": k_per_split, "block_a": max(64, 2048 // block_m),
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "max_m": cfg["max_m"],
+            "num_warps": cfg["num_warps"], "num_stages": num_stages, "max_m": cfg["max_m"],
             "fold": min(cfg["fold"], block_k), "promote_k": cfg["promote_k"]}
 
 

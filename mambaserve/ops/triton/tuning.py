@@ -107,8 +107,10 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # promote_k: with tensor cores, the K elements one float8 MMA chain sums before its sum is
     # added to the float32 accumulator (0: every product exact, the operands upcast to fp16 MMAs;
     # 32: native fp8 wgmma instructions, each promoted: docs/kernels.md, "FP8 linear")
-    "fp8_gemv": MappingProxyType({"max_m": 16, "dot_min_m": 4, "block_n": None, "block_k": None,
-                                  "split_k": None, "num_warps": 4, "num_stages": 3,
+    # split_waves: the programs per SM below which the rules split K (None: by the inner product)
+    "fp8_gemv": MappingProxyType({"max_m": 32, "dot_min_m": 4, "block_n": None, "block_k": None,
+                                  "split_k": None, "split_waves": None, "num_warps": 4,
+                                  "num_stages": None,
                                   "prequant": True, "fold": 1, "promote_k": 0}),
 })
 
