@@ -120,6 +120,9 @@ def test_launch_rules_by_block_size_and_dtype():
     cfg = tuning.config("moe_experts", "cpu")
     small, large = launch_params(cfg, 16, 2, True), launch_params(cfg, 128, 2, True)
     assert (small["block_n_in"], small["num_warps_in"], small["tma"]) == (64, 4, False)
+    assert (small["block_k_in"], small["block_k_out"]) == (128, 128)  # decode: 128-wide K steps
+    assert (large["block_k_in"], large["block_k_out"]) == (64, 64)
+    assert launch_params(cfg, 16, 4, True)["block_k_in"] == 64  # float32's shared memory
     assert (large["block_n_in"], large["block_n_out"], large["num_warps_out"]) == (128, 256, 8)
     assert large["tma"] is True and launch_params(cfg, 128, 2, False)["tma"] is False
     fp32 = launch_params(cfg, 128, 4, True)  # float32: the small tiles, no TMA

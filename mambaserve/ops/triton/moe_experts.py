@@ -153,16 +153,19 @@ LARGE_BLOCK_M = 64  # blocks of at least this many rows take the prefill launch 
 def launch_params(cfg, block_m: int, element_size: int, tma_capable: bool) -> dict:
     """The tuning entry's knobs with its None rules applied for blocks of `block_m` rows of
     `element_size`-byte operands. Small blocks (decode: a few rows per expert, bound by reading
-    the weights) and float32 operands: 64-column tiles, 4 warps, 3 stages, pointer loads. Large
-    blocks of 16-bit operands (prefill, bound by the tensor cores): 128-column in tiles with 8
-    warps, 256-column out tiles with 8 warps and 4 stages, and where `tma_capable` (sm_90+) the
-    weight tiles (and the out GEMM's rows of inter) loaded by TMA (docs/kernels.md); float32
-    tiles that wide would not fit in shared memory."""
+    the weights) and float32 operands: 64-column tiles, 4 warps, 3 stages, pointer loads; steps
+    of 128 along K for small blocks of 16-bit operands (64 otherwise: the large tiles' sweep, and
+    float32's shared memory). Large blocks of 16-bit operands (prefill, bound by the tensor
+    cores): 128-column in tiles with 8 warps, 256-column out tiles with 8 warps and 4 stages, and
+    where `tma_capable` (sm_90+) the weight tiles (and the out GEMM's rows of inter) loaded by
+    TMA (docs/kernels.md); float32 tiles that wide would not fit in shared memory."""
     large = block_m >= LARGE_BLOCK_M and element_size == 2
+    decode_16bit = block_m < LARGE_BLOCK_M and element_size == 2
     rules = {"block_n_in": 128 if large else 64, "num_warps_in": 8 if large else 4,
              "block_n_out": 256 if large else 64, "num_warps_out": 8 if large else 4,
              "num_stages_out": 4 if large else 3, "tma": large and tma_capable,
-             "block_m": block_m}
+             "block_k_in": 128 if decode_16bit else 64,
+             "block_k_out": 128 if decode_16bit else 64, "block_m": block_m}
     return {name: rules[name] if value is None else value for name, value in cfg.items()}
 
 

@@ -86,8 +86,8 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # `launch_params` (small blocks: decode; blocks of >= 64 rows: prefill); the k-sum (+ shared
     # expert) launch: combine_block elements of combine_block_h columns per program; not swept
     "moe_experts": MappingProxyType({
-        "block_m": None, "block_n_in": None, "block_k_in": 64, "num_warps_in": None,
-        "num_stages_in": 3, "block_n_out": None, "block_k_out": 64, "num_warps_out": None,
+        "block_m": None, "block_n_in": None, "block_k_in": None, "num_warps_in": None,
+        "num_stages_in": 3, "block_n_out": None, "block_k_out": None, "num_warps_out": None,
         "num_stages_out": None, "tma": None, "combine_block": 4096, "combine_block_h": 1024,
         "combine_num_warps": 4}),
     # MoE routing (ops/triton/moe_routing.py): one program per token; not swept
