@@ -5,7 +5,7 @@
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
 #         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve
-#         fp8-sweep pdl dense-attn host sampler
+#         fp8-sweep fp8-rows fp8-state pdl dense-attn host sampler
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -446,6 +446,26 @@ stage_dense-attn() {  # fresh prefill rows through SDPA (MAMBASERVE_DENSE_PREFIL
 stage_fp8-sweep() {  # the FP8 few-rows linear's launch settings and the quantization passes that
     # feed it (norms writing FP8 rows, the activation in the quantization launch; kernels.md)
     run fp8-sweep 540 $PY scripts/fp8_gemv_sweep.py --m 1,8,64 --out "$W/fp8_gemv_sweep.json"
+}
+stage_fp8-rows() {  # FP8 decode batches of 4-32 rows: the tensor-core launch rules against the
+    # former ones and _scaled_mm per projection, then one batch at batch 1 / 8 / 16 / 32 (kernels.md)
+    run fp8-rows-sweep 200 $PY scripts/fp8_gemv_sweep.py --only gemv --m 4,8,16,32 \
+        --candidates rules --out "$W/fp8_rows_rules.json"
+    run fp8-rows-batch 150 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1,8,16,32 --input-len 2048 --output-len 24 \
+        --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true,quantization=fp8 \
+        --out "$W/fp8_rows_batch.json"
+}
+stage_fp8-state() {  # batch-64 decode, bf16 and FP8 weights, with float32 and bfloat16 SSM state
+    # (the bytes per step that bound FP8's gain there; benchmarks.md, FP8)
+    for st in float32 bfloat16; do
+        for q in "" ",quantization=fp8"; do
+            run "fp8-state-$st${q:+-fp8}" 150 $MS bench one-batch --preset $PRESET --device cuda \
+                --dtype bfloat16 --batch-size 64 --input-len 1024 --output-len 24 \
+                --engine "enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true,mamba_ssm_dtype=$st$q" \
+                --out "$W/fp8_state_$st${q:+_fp8}.json"
+        done
+    done
 }
 stage_latency-profile() {  # where a 512-token prompt's prefill step goes, twice (its TTFT has
     # two modes, 22-25 and 43-44 ms), and every Triton compile of the latency sweep
