@@ -136,7 +136,7 @@ def test_kernel_matches_the_reference(M, K, N, static):
                                    {"block_n": 4, "block_k": 64, "split_k": 5},
                                    {"dot_min_m": 99, "block_k": 64, "fold": 4},
                                    {"dot_min_m": 1, "promote_k": 32, "block_k": 64}])
-@pytest.mark.parametrize("M", [1, 6])
+@pytest.mark.parametrize("M", [1, 6, 24])
 def test_both_inner_products_and_split_k(knobs, M):
     x, wq, ws, s_in, b = _operands(M, 300, 41, seed=7 + M)
     with tuning.override("fp8_gemv", **knobs):
