@@ -1,12 +1,13 @@
 """The FP8 few-rows linear (`ops/triton/fp8_gemv.py`, on pre-quantized rows as the engine runs it)
 over candidate launch settings, and the activation quantization passes that feed it
 (`ops/triton/fp8_quant.py`, the RMSNorm that writes FP8 rows), at the 9B preset's FP8 projections,
-M = 1, 8 and 64 token rows (the kernel's max_m raised to 64 for the run; the `_scaled_mm` path
-that batches above max_m take beside it): device time per call through CUDA graphs, each call on
-its own weight copy (the copies together exceed the L2 cache, as in a decode step), weight bytes
-over time against the copy ceiling (`--candidates rows --m 16,32,64`: tensor-core launches for a
-decode batch beside the bf16 product such a batch takes). Each candidate is checked against the
-reference math on the same quantized operands first. Prints tables and writes JSON.
+M = 1, 8 and 64 token rows by default (the kernel's max_m raised to 128 for the run; the
+`_scaled_mm` path that batches above max_m take beside it): device time per call through CUDA
+graphs, each call on its own weight copy (the copies together exceed the L2 cache, as in a decode
+step), weight bytes over time against the copy ceiling (`--candidates rows --m 16,32,64`:
+tensor-core launches for a decode batch beside the bf16 product such a batch takes; `--candidates
+rules`: the launch rules against the former ones). Each candidate is checked against the reference
+math on the same quantized operands first. Prints tables and writes JSON.
 
     python scripts/fp8_gemv_sweep.py --out fp8_gemv_sweep.json          # on a GPU
 """
@@ -88,17 +89,18 @@ NATIVE = [  # native e4m3 wgmma instructions, each promoted to the float32 sum (
     {"dot_min_m": 1, "promote_k": 128, "block_n": 64, "block_k": 256},
 ]
 ROWS = [  # tensor-core launches for a decode batch of 16-128 rows (`--candidates rows`)
-    {"dot_min_m": 1},
-    {"dot_min_m": 1, "block_k": 128, "num_stages": 4},
+    {"dot_min_m": 1},  # the launch rules
+    {"dot_min_m": 1, "block_k": 256, "num_stages": 3, "split_waves": 2},  # the former rules
     {"dot_min_m": 1, "block_k": 128, "num_stages": 4, "split_waves": 1},
     {"dot_min_m": 1, "block_k": 128, "num_stages": 3, "split_waves": 1},
     {"dot_min_m": 1, "block_k": 128, "num_stages": 4, "split_waves": 4},
     {"dot_min_m": 1, "block_k": 256, "num_stages": 3, "split_waves": 1},
     {"dot_min_m": 1, "block_k": 256, "num_stages": 4, "split_waves": 1},
-    {"dot_min_m": 1, "block_n": 32, "block_k": 256, "num_stages": 3},
+    {"dot_min_m": 1, "block_n": 32, "block_k": 256, "num_stages": 3, "split_waves": 2},
     {"dot_min_m": 1, "block_n": 32, "block_k": 256, "num_stages": 3, "split_waves": 1},
     {"dot_min_m": 1, "block_n": 32, "block_k": 128, "num_stages": 4, "split_waves": 1},
     {"dot_min_m": 1, "block_n": 128, "block_k": 128, "num_stages": 3, "num_warps": 8},
+    {"dot_min_m": 1, "promote_k": 32, "block_k": 256, "num_stages": 3, "split_waves": 2},
 ]
 
 RULES = [  # `--candidates rules`: the launch rules against the former tensor-core rules
@@ -110,7 +112,8 @@ RULES = [  # `--candidates rules`: the launch rules against the former tensor-co
 def candidates(M: int, which: str = "all") -> list[dict]:
     """FMA launches and the tensor-core ones for one or two rows; tensor-core ones above; the
     native fp8 ones everywhere (`which` "native": the rules and those only; "rows": the
-    tensor-core launches for batches of 16-128 rows)."""
+    tensor-core launches for batches of 16-128 rows; "rules": the launch rules and the former
+    tensor-core rules)."""
     if which == "native":
         return [{}] + NATIVE
     if which == "rows":

@@ -448,10 +448,11 @@ stage_fp8-sweep() {  # the FP8 few-rows linear's launch settings and the quantiz
     run fp8-sweep 540 $PY scripts/fp8_gemv_sweep.py --m 1,8,64 --out "$W/fp8_gemv_sweep.json"
 }
 stage_fp8-rows() {  # FP8 decode batches of 4-32 rows: the tensor-core launch rules against the
-    # former ones and _scaled_mm per projection, then one batch at batch 1 / 8 / 16 / 32 (kernels.md)
+    # former ones, _scaled_mm and the bf16 product per projection, then one batch at batch 1 / 8 /
+    # 16 / 32 (kernels.md)
     run fp8-rows-sweep 200 $PY scripts/fp8_gemv_sweep.py --only gemv --m 4,8,16,32 \
         --candidates rules --out "$W/fp8_rows_rules.json"
-    run fp8-rows-batch 150 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+    run fp8-rows-batch 240 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
         --batch-size 1,8,16,32 --input-len 2048 --output-len 24 \
         --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true,quantization=fp8 \
         --out "$W/fp8_rows_batch.json"
@@ -460,7 +461,7 @@ stage_fp8-state() {  # batch-64 decode, bf16 and FP8 weights, with float32 and b
     # (the bytes per step that bound FP8's gain there; benchmarks.md, FP8)
     for st in float32 bfloat16; do
         for q in "" ",quantization=fp8"; do
-            run "fp8-state-$st${q:+-fp8}" 150 $MS bench one-batch --preset $PRESET --device cuda \
+            run "fp8-state-$st${q:+-fp8}" 240 $MS bench one-batch --preset $PRESET --device cuda \
                 --dtype bfloat16 --batch-size 64 --input-len 1024 --output-len 24 \
                 --engine "enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true,mamba_ssm_dtype=$st$q" \
                 --out "$W/fp8_state_$st${q:+_fp8}.json"

@@ -40,7 +40,7 @@ DRY_SHAPES = [MoeShape("dry-relu2", 16, 4, 64, 32, "relu2"),
               MoeShape("dry-swiglu", 8, 2, 32, 48, "swiglu")]
 # --sweep: launch-parameter variants of our kernel (tuning entry "moe_experts"), every size
 SWEEP = [dict(block_n_in=64, block_n_out=64, num_warps_in=4, num_warps_out=4, num_stages_out=3,
-              tma=False),  # the decode rules at every size
+              block_k_in=128, block_k_out=128, tma=False),  # the decode rules at every size
          dict(tma=False),  # the prefill tiles through pointer loads
          dict(block_m=128, block_n_in=128, block_n_out=256, num_warps_in=8, num_warps_out=8,
               num_stages_out=4, tma=True),  # the prefill rules at every size

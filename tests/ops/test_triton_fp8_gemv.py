@@ -215,6 +215,8 @@ def test_tensor_core_rules(monkeypatch):
         assert launch_plan(M, 22656, 4480, "cpu")["split_k"] == 1
     one = launch_plan(1, 4480, 10240, "cpu")
     assert not one["use_dot"] and one["num_stages"] == 3
+    # 225 four-column blocks: under 2 waves (the FMA launch splits K), over 1.5 (it would not)
+    assert launch_plan(1, 900, 10240, "cpu")["split_k"] == 2
     with tuning.override("fp8_gemv", split_waves=2, num_stages=3):
         p = launch_plan(16, 15680, 4480, "cpu")
         assert (p["split_k"], p["num_stages"]) == (2, 3)

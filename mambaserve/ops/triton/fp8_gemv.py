@@ -177,10 +177,10 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
                with tensor cores, 2 with FMAs), each part keeps at least 2 K steps, and
                split_k < 16.
     The tensor-core rules come from `scripts/fp8_gemv_sweep.py --candidates rows` at the 9B
-    shapes (H100, 16 and 32 rows, docs/kernels.md): 128-wide K steps in 4 stages read the wide
-    in_proj 12 % faster than 256-wide ones in 3; 1.5 waves keep the 245 column blocks of up_proj
-    whole (a second split made it 15-25 % slower) while the 70 of out_proj / down_proj still
-    split 4 ways (2 ways: 10-15 % slower)."""
+    shapes (H100, 16 and 32 rows; docs/kernels.md, "FP8 linear for few rows"): 128-wide K steps
+    in 4 stages read the wide in_proj 10-15 % faster than 256-wide ones in 3; 1.5 waves keep the
+    245 column blocks of up_proj whole (split in 2: ~30 % slower) while the 70 of out_proj /
+    down_proj still split 4 ways (2 ways: 10-15 % slower)."""
     cfg = tuning.config("fp8_gemv", device)
     use_dot = M >= cfg["dot_min_m"]
     block_m = max(16, pow2(M)) if use_dot else pow2(M)

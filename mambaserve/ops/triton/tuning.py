@@ -5,7 +5,8 @@ here imports Triton. An entry maps knob names to values; `None` means "derived f
 the launcher" (each launcher states its rule where it reads the knob). The table is keyed by the
 device's CUDA compute capability; a device without an entry of its own (and the CPU, where the
 kernels run under the interpreter) uses `DEFAULT`. The values come from sweeps on an H200
-(sm_90); docs/kernels.md has the measurements.
+(sm_90), the rules of "fp8_gemv" and "moe_experts" from sweeps on an H100 (sm_90 as well);
+docs/kernels.md has the measurements.
 
 Sweeps and tests change knobs with `override`, never through launcher arguments:
 
@@ -26,7 +27,7 @@ from types import MappingProxyType
 
 import torch
 
-# Tuned on an H200 (sm_90). Knobs set to None follow the launcher's shape rule.
+# Tuned on an H200 and an H100 (sm_90). Knobs set to None follow the launcher's shape rule.
 SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # relu2: BLOCK elements per program
     "relu2": MappingProxyType({"block": 4096, "num_warps": 8}),
