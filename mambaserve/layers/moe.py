@@ -34,7 +34,7 @@ from mambaserve.distributed.group import TPGroup
 from mambaserve.distributed.parallel_modules import param_of, shard_range
 from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.scaling import scale_
-from mambaserve.ops.linear import linear
+from mambaserve.ops.linear import linear, linear_float32
 from mambaserve.ops.moe_experts import moe_experts
 from mambaserve.ops.moe_routing import sigmoid_topk, softmax_topk
 
@@ -54,7 +54,7 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (chosen experts [T, top_k] int64, their weights [T, top_k] float32)."""
-        logits = x.float() @ self.weight.float().t()
+        logits = linear_float32(x, self.weight)  # float32, as transformers' router
         if self.topk_group >= self.n_group:  # every group kept: one op (a launch on CUDA)
             return sigmoid_topk(logits, self.e_score_correction_bias, self.top_k,
                                 self.norm_topk_prob, self.routed_scaling_factor)

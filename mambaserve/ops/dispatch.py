@@ -72,6 +72,16 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return 1 <= rows <= tuning.config("gemv", x.device)["max_m"]
 
 
+def _gemv_float32_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # 16-bit activations, a plain float32 [N, K] weight, at most the few-rows linear's max_m rows
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float32:
+        return False
+    if weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] != weight.shape[1]:
+        return False
+    rows = math.prod(x.shape[:-1])
+    return 1 <= rows <= tuning.config("gemv", x.device)["max_m"]
+
+
 def _act_gemv_ok(x: torch.Tensor, act: str, weight: torch.Tensor) -> bool:
     # the few-rows linear's condition on the activation's output (silu_mul halves the width)
     if act == "silu_mul" and x.shape[-1] % 2:
@@ -126,6 +136,10 @@ CONDITIONS: dict[str, Condition | None] = {
                       "not a plain [N, K] matrix of the activations' dtype"),
     # the same kernel with an MLP activation applied to x as it loads it
     "act_linear": Condition(("x", "act", "weight"), _act_gemv_ok, "what `gemv` refuses"),
+    # the same kernel's CUDA-core launch: 16-bit rows times a float32 weight (a float32 router)
+    "linear_float32": Condition(("x", "weight"), _gemv_float32_ok,
+                                "float32 activations, weights that are not a plain float32 "
+                                "[N, K] matrix and more rows than tuning gemv.max_m"),
     # FP8: Triton's float8e4nv conversion and cuBLASLt's FP8 GEMM need compute capability 8.9
     "fp8_quant": Condition(("device",), lambda device: fp8_capable(device),
                            "devices of compute capability < 8.9"),

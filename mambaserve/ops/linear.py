@@ -8,7 +8,7 @@ where cuBLAS's GEMV kernels do not (docs/kernels.md, "Few-rows linear"); everyth
 `torch.nn.functional.linear` (cuBLAS on a GPU), which is also the reference the kernel is tested
 against. No path syncs or branches on tensor values.
 
-Two more forms for the same few rows (elsewhere the public ops they stand for):
+Three more forms for the same few rows (elsewhere the public ops they stand for):
 
     linear(x, weight, bias, add=t): linear(x, weight, bias) + t, added in the kernel's epilogue
         with torch's rounding (bit for bit the two ops);
@@ -16,7 +16,10 @@ Two more forms for the same few rows (elsewhere the public ops they stand for):
         "silu_mul" (an MLP's activation and its down projection): the activation applied to x
         as the kernel loads it, rounded as `ops/activation.py` rounds it, where the launch runs
         on CUDA cores (one or two rows of the out_proj / down shapes); on tensor cores it is
-        the activation kernel and the plain launch (an activated operand stalls their pipeline).
+        the activation kernel and the plain launch (an activated operand stalls their pipeline);
+    linear_float32(x, weight): F.linear(x.float(), weight) for a float32 weight (a router kept in
+        float32): one CUDA-core launch converting x as it loads it, where the reference casts x
+        and runs cuBLAS's float32 GEMV.
 """
 
 from __future__ import annotations
@@ -41,6 +44,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y.view(*x.shape[:-1], N)
     y = F.linear(x, weight, bias)
     return y if add is None else y + add
+
+
+def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times a weight [N, K] in float32: [..., N] float32, `F.linear(x.float(),
+    weight.float())` (the module docstring; the kernel takes 16-bit x and a float32 weight)."""
+    if kernel_path("linear_float32", x.device, x=x, weight=weight) == "triton":
+        from mambaserve.ops.triton.gemv import gemv_float32_triton
+
+        N = weight.shape[0]
+        return gemv_float32_triton(_rows(x), weight).view(*x.shape[:-1], N)
+    return F.linear(x.float(), weight.float())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,14 @@ import torch.nn.functional as F
 
 from mambaserve.ops.activation import relu2, relu2_ref, silu_mul, silu_mul_ref
 from mambaserve.ops.dispatch import kernel_path
-from mambaserve.ops.linear import act_linear, linear
+from mambaserve.ops.linear import act_linear, linear, linear_float32
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.activation import relu2_triton, silu_mul_triton
 from mambaserve.ops.triton.gemv import (
     COUNTERS,
     _gemv_kernel,
     act_gemv_triton,
+    gemv_float32_triton,
     gemv_triton,
     launch_plan,
 )
@@ -131,6 +132,102 @@ def test_linear_dispatch():
     assert kernel_path("gemv", DEV, x=x16.to(DEV), weight=w16.t().to(DEV)[:, :4]) == "reference"
     x, w, b = _case(2, 12, 16, torch.float32)
     torch.testing.assert_close(linear(x.view(2, 1, 16), w, b), F.linear(x, w, b).view(2, 1, 12))
+
+
+def _float32_ref(x, w):
+    return F.linear(x.double(), w.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
+@pytest.mark.parametrize("M, N, K, knobs", [
+    (1, 37, 200, {}),                            # the rules: FMAs
+    (3, 40, 96, {}),                             # three rows: FMAs although the rules say dots
+    (8, 128, 300, {"block_k": 32}),              # max_m rows, ragged K, several K steps
+    (2, 33, 64, {"use_dot": True}),              # tensor cores asked for: FMAs still
+    (1, 64, 512, {"split_k": 4, "block_k": 32}),  # split K
+])
+def test_float32_weight_matches_linear(dtype, M, N, K, knobs):
+    """16-bit rows times a float32 weight, out in float32: `F.linear(x.float(), w)` up to the
+    float32 sums' order (each product is exact)."""
+    g = torch.Generator().manual_seed(M * N)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV)
+    with tuning.override("gemv", **knobs):
+        assert not launch_plan(M, N, K, x.device, dot=False)["use_dot"]
+        y = gemv_float32_triton(x, w)
+        again = gemv_float32_triton(x, w)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    want = _float32_ref(x, w)
+    bound = 2e-6 * (x.double().abs() @ w.double().abs().t())  # float32 sums, any order
+    assert ((y.double() - want).abs() <= bound + 1e-30).all()
+    assert torch.equal(y, again)
+    counters = COUNTERS.get(x.device)  # made by the first split launch on the device
+    assert counters is None or int(counters.abs().sum()) == 0
+
+
+def test_linear_float32_dispatch_and_reference():
+    """`ops.linear_float32` takes the kernel for few 16-bit rows and a plain float32 weight on
+    CUDA; elsewhere (and the weight of another dtype) `F.linear(x.float(), w.float())`."""
+    x16 = torch.zeros(3, 4, dtype=torch.bfloat16, device=DEV)
+    w32 = torch.zeros(8, 4, device=DEV)
+    want = "triton" if DEV == "cuda" else "reference"
+    assert kernel_path("linear_float32", DEV, x=x16, weight=w32) == want
+    for x, w in [(torch.zeros(9, 4, dtype=torch.bfloat16, device=DEV), w32),  # > max_m rows
+                 (x16.float(), w32),                                           # float32 rows
+                 (x16, w32.bfloat16()),                                        # a 16-bit weight
+                 (x16, torch.zeros(4, 8, device=DEV).t())]:                    # not plain [N, K]
+        assert kernel_path("linear_float32", DEV, x=x, weight=w) == "reference"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 16, generator=g).to(DEV, torch.float16)
+    w = torch.randn(12, 16, generator=g).to(DEV)
+    y = linear_float32(x, w)
+    assert y.dtype == torch.float32 and y.shape == (2, 3, 12)
+    torch.testing.assert_close(y, F.linear(x.float(), w), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(linear_float32(x, w.half()), F.linear(x.float(), w.half().float()))
+
+
+def test_nemotron_router_through_the_kernel(monkeypatch):
+    """NemotronH's router with its float32 product through the kernel (forced; the interpreter on
+    a CPU) chooses the experts and weights the reference product does."""
+    import types
+
+    from mambaserve.layers.moe import TopkRouter
+    from mambaserve.ops import linear as linear_mod
+
+    cfg = types.SimpleNamespace(num_experts_per_tok=3, n_routed_experts=16, n_group=1,
+                                topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                hidden_size=96)
+    router = TopkRouter(cfg)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 96, generator=g) / 96 ** 0.5)
+        router.e_score_correction_bias.copy_(torch.rand(16, generator=g) * 0.1)
+    router.to(DEV)
+    x = torch.randn(5, 96, generator=g).to(DEV, torch.float16)
+    want_ids, want_w = router(x)
+    asked = []
+
+    def decide(op, device, **inputs):
+        asked.append(op)
+        return "triton" if op == "linear_float32" else kernel_path(op, device, **inputs)
+
+    monkeypatch.setattr(linear_mod, "kernel_path", decide)
+    ids, w = router(x)
+    assert asked == ["linear_float32"]
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 8])
+def test_float32_weight_at_the_router_shape_on_gpu(M):
+    """Nemotron-3-Nano's router (128 experts, hidden 2688) in bf16, through the dispatch."""
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 2688, generator=g).to(DEV, torch.bfloat16)
+    w = (torch.randn(128, 2688, generator=g) / 2688 ** 0.5).to(DEV)
+    y = linear_float32(x, w)
+    bound = 2e-6 * (x.double().abs() @ w.double().abs().t())
+    assert ((y.double() - _float32_ref(x, w)).abs() <= bound).all()
 
 
 @gpu

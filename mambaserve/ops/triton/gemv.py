@@ -24,7 +24,9 @@ stream).
 
 Two extras (constexpr, compiled out otherwise): an MLP activation applied to the x tile as it
 is loaded (`act_gemv_triton`, the CUDA-core launch only), and an addend added to the rounded
-result in the epilogue (`gemv_triton(..., add=)`), each with torch's roundings.
+result in the epilogue (`gemv_triton(..., add=)`), each with torch's roundings. And a float32
+weight with 16-bit rows, out in float32 (`gemv_float32_triton`, the CUDA-core launch: NemotronH's
+router, whose product transformers computes in float32).
 
 Launch parameters: `tuning` entry "gemv" (`launch_plan` resolves its None knobs). No host sync,
 no value-dependent branch on the host: CUDA-graph capturable.
@@ -171,9 +173,11 @@ def split_scratch(plan: dict, y: torch.Tensor) -> tuple[int, torch.Tensor, torch
     return blocks, part, column_counters(y.device)
 
 
-def launch_plan(M: int, N: int, K: int, device) -> dict:
+def launch_plan(M: int, N: int, K: int, device, dot: bool = True) -> dict:
     """The launch of an [M, K] x [N, K]^T product on `device`: the tuning entry "gemv" with its
-    None knobs resolved. Rules (None), from `scripts/gemv_sweep.py` on an H200 (docs/kernels.md):
+    None knobs resolved; `dot` False: CUDA-core FMAs whatever the rules say (operands of two
+    dtypes, which tensor cores do not take). Rules (None), from `scripts/gemv_sweep.py` on an
+    H200 (docs/kernels.md):
       use_dot: FMAs for one or two rows of a product with N <= 3 K (the out_proj / down shapes,
                where they beat cuBLAS by 10-30 %), tensor cores otherwise;
       block_n: with FMAs 8 when the 8-column blocks number >= 4 per SM, else 4; with tensor
@@ -188,6 +192,7 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
     use_dot = cfg["use_dot"]
     if use_dot is None:
         use_dot = not (M <= 2 and N <= 3 * K)
+    use_dot = use_dot and dot
     block_m = max(16, pow2(M)) if use_dot else pow2(M)
     block_n = cfg["block_n"]
     if block_n is None:
@@ -221,6 +226,17 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _launch(x, weight, bias, x.shape[1] if x.dim() == 2 else -1, add=add)
 
 
+def gemv_float32_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x.float(), weight)` for x [M, K] of a 16-bit dtype (rows may be strided, last
+    dim contiguous), M <= the tuning entry's `max_m`, and a float32 weight [N, K]: every product
+    of x's value (exact in float32) by the weight's, summed in float32, out [M, N] float32. The
+    CUDA-core launch (tensor cores take one dtype), x converted as it is loaded: one launch where
+    the reference casts x, then runs cuBLAS's float32 GEMV (two launches at one row)."""
+    assert x.dim() == 2 and weight.dtype == torch.float32, (x.shape, weight.dtype)
+    plan = launch_plan(x.shape[0], weight.shape[0], x.shape[1], x.device, dot=False)
+    return _launch(x, weight, None, x.shape[1], plan=plan, out_dtype=torch.float32)
+
+
 def act_gemv_triton(x: torch.Tensor, act: str, weight: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """linear(act(x), weight, bias), act "relu2" (x [M, K]) or "silu_mul" (x [M, 2K] = [gate |
@@ -242,17 +258,19 @@ def _two_launch_activation(x: torch.Tensor, act: str) -> torch.Tensor:
     return relu2_triton(x) if act == "relu2" else silu_mul_triton(x)
 
 
-def _launch(x, weight, bias, K, act=0, add=None, plan=None):
+def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None):
     assert x.dim() == 2 and x.stride(-1) == 1, "the few-rows launches take [M, K] rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == K
-    assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
+    # one dtype, or a float32 weight on the CUDA-core launch (gemv_float32_triton)
+    assert weight.dtype == x.dtype or (weight.dtype == torch.float32 and plan is not None
+                                       and not plan["use_dot"]), (weight.dtype, x.dtype)
     M = x.shape[0]
     N = weight.shape[0]
     max_m = tuning.config("gemv", x.device)["max_m"]
     assert M <= max_m, f"gemv_triton takes at most max_m={max_m} rows, got {M}"
     if add is not None:
         assert add.shape == (M, N) and add.dtype == x.dtype and add.stride(-1) == 1, add.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:
