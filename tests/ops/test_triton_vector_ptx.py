@@ -82,6 +82,20 @@ for name, (kernel, const, operand) in ONE_ROW.items():
     ptx = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4}).asm["ptx"]
     report[f"one_row/{name}"] = sorted(set(re.findall(r"ld\.shared[.\w]*", ptx)))
+# bf16 rows times a float32 weight (linear_float32: NemotronH's router), one row and eight
+names = _gemv_kernel.arg_names
+for rows, bk in ((1, 512), (8, 64)):
+    const = dict(HAS_BIAS=False, SPLIT=True, EVEN_K=False, USE_DOT=False, IEEE=False, ACT=0,
+                 HAS_ADD=False, BLOCK_M=rows, BLOCK_N=4, BLOCK_K=bk, NUM_STAGES=4, PDL=0)
+    sig = {n: "constexpr" if n in const else
+           ("*bf16" if n == "x_ptr" else "*i32" if n == "cnt_ptr" else "*fp32")
+           if n.endswith("_ptr") else "i32" for n in names}
+    k = triton.compile(ASTSource(_gemv_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+    report[f"float32_weight/{rows}"] = {
+        "bf16_to_f32": len(re.findall(r"cvt\.f32\.bf16", k.asm["ptx"])) + len(
+            re.findall(r"shl\.b32", k.asm["ptx"])),
+        "fma": len(re.findall(r"fma\.rn\.f32", k.asm["ptx"])), "shared": k.metadata.shared}
 print(json.dumps(report))
 '''
 
@@ -125,6 +139,15 @@ def test_fp8_rmsnorm_stores_codes_in_the_layout_of_its_loads(widths):
     plain, fp8 = widths["rms_norm/bf16"], widths["rms_norm/fp8"]
     assert fp8["stores"] == ["st.global.b32", "st.global.v2.b32", "st.global.v4.b32"], fp8
     assert fp8["barriers"] <= plain["barriers"] + 3, (plain, fp8)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_float32_weight_launch_compiles_for_hopper(widths, rows):
+    # linear_float32's launch (bf16 rows, a float32 weight, split K) builds for sm_90: its bf16
+    # loads widened to float32 in registers (cvt, or the shift that widens a bf16), float32 FMAs,
+    # the pipelined tiles within an SM's shared memory
+    got = widths[f"float32_weight/{rows}"]
+    assert got["bf16_to_f32"] > 0 and got["fma"] > 0 and got["shared"] <= 227 * 1024, got
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv"])
