@@ -62,24 +62,22 @@ def _fp8_gemv_ok(device: torch.device, x: torch.Tensor, weight: torch.Tensor) ->
     return fp8_capable(device) and rows <= tuning.config("fp8_gemv", device)["max_m"]
 
 
-def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # 16-bit activations and weights of one dtype, a plain [N, K] weight, at most max_m rows
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+def _few_rows_ok(x: torch.Tensor, weight: torch.Tensor, weight_dtype: torch.dtype) -> bool:
+    # 16-bit activations, a plain [N, K] weight of `weight_dtype`, 1 to tuning gemv.max_m rows
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != weight_dtype:
         return False
     if weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] != weight.shape[1]:
         return False
     rows = math.prod(x.shape[:-1])
     return 1 <= rows <= tuning.config("gemv", x.device)["max_m"]
+
+
+def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _few_rows_ok(x, weight, x.dtype)  # the activations' dtype
 
 
 def _gemv_float32_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # 16-bit activations, a plain float32 [N, K] weight, at most the few-rows linear's max_m rows
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != torch.float32:
-        return False
-    if weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] != weight.shape[1]:
-        return False
-    rows = math.prod(x.shape[:-1])
-    return 1 <= rows <= tuning.config("gemv", x.device)["max_m"]
+    return _few_rows_ok(x, weight, torch.float32)  # a float32 weight (linear_float32)
 
 
 def _act_gemv_ok(x: torch.Tensor, act: str, weight: torch.Tensor) -> bool:
