@@ -48,6 +48,7 @@ class PrefillMetadata:
     snap_chunk: torch.Tensor  # [S] chunk whose end state is saved
     snap_conv_idx: torch.Tensor  # [S, K-1] into the extended conv stream
     snap_dst: torch.Tensor  # [S] destination slots
+    chunk_snap_dst: torch.Tensor  # [num_chunks] the snapshot slot of each chunk's end, or -1
     # prefix-cache restores, run before the first layer
     restore_src: torch.Tensor  # [num_restores] cached snapshot slots
     restore_dst: torch.Tensor  # [num_restores] live slots they are copied into
@@ -127,7 +128,7 @@ _COMMON_ARRAYS = ("input_ids", "positions", "token_row", "state_slots", "page_ta
                   "slot_mapping", "logits_idx", "decode_snap_dst")
 _PREFILL_ARRAYS = ("has_initial_state", "conv_window_idx", "conv_state_idx", "chunk_token_idx",
                    "token_chunk_pos", "row_chunks", "row_num_chunks", "snap_chunk",
-                   "snap_conv_idx", "snap_dst", "restore_src", "restore_dst")
+                   "snap_conv_idx", "snap_dst", "chunk_snap_dst", "restore_src", "restore_dst")
 
 
 def build_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size: int,
@@ -285,6 +286,8 @@ def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: lis
             snap_chunk.append(first_l[r] + (pos - 1) // L - ctx[r] // L)
             snap_conv.append(ext_index(r, local_end + np.arange(K1)))
             snap_dst.append(dst)
+    chunk_snap_dst = np.full(C, -1, dtype=np.int64)  # the scan's view: one entry per chunk
+    chunk_snap_dst[np.array(snap_chunk, dtype=np.int64)] = snap_dst
     restores = [(r.restore_from, r.request.state_slot) for r in prefills if r.restore_from >= 0]
     return {
         "has_initial_state": np.array([bool(r.has_initial_state) for r in prefills],
@@ -296,6 +299,7 @@ def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: lis
         "snap_chunk": np.array(snap_chunk, dtype=np.int64),
         "snap_conv_idx": np.array(snap_conv, dtype=np.int64).reshape(len(snap_conv), K1),
         "snap_dst": np.array(snap_dst, dtype=np.int64),
+        "chunk_snap_dst": chunk_snap_dst,
         "restore_src": np.array([s for s, _ in restores], dtype=np.int64),
         "restore_dst": np.array([d for _, d in restores], dtype=np.int64),
     }

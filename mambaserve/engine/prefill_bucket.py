@@ -77,6 +77,7 @@ class PrefillBucket:
             "token_chunk_pos": (_I64, (Tp,)), "row_chunks": (_I64, (P, self.chunks_per_row)),
             "row_num_chunks": (_I64, (P,)), "snap_chunk": (_I64, (S,)),
             "snap_conv_idx": (_I64, (S, K - 1)), "snap_dst": (_I64, (S,)),
+            "chunk_snap_dst": (_I64, (self.chunks,)),
             "restore_src": (_I64, (P - 1,)), "restore_dst": (_I64, (P - 1,)),
             "has_initial_state": (_BOOL, (P,)), "page_table": (_I64, (R, self.max_pages)),
         }
@@ -198,6 +199,8 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     out["snap_conv_idx"][:Sr] = ext(get("snap_conv_idx", (0, K1)))
     out["snap_dst"][:] = -1
     out["snap_dst"][:Sr] = get("snap_dst")
+    out["chunk_snap_dst"][:] = -1  # padding chunks: none
+    out["chunk_snap_dst"][:Cr] = get("chunk_snap_dst")
     n_res = len(get("restore_src"))  # padding entries are never read (sliced to n_res)
     out["restore_src"][:n_res], out["restore_dst"][:n_res] = get("restore_src"), \
         get("restore_dst")
@@ -218,7 +221,8 @@ def bucket_metadata(parts: dict[str, torch.Tensor], b: PrefillBucket, *,
         restore_src=t["restore_src"][:0], restore_dst=t["restore_dst"][:0],
         **{n: t[n] for n in ("has_initial_state", "conv_window_idx", "conv_state_idx",
                              "chunk_token_idx", "token_chunk_pos", "row_chunks",
-                             "row_num_chunks", "snap_chunk", "snap_conv_idx", "snap_dst")})
+                             "row_num_chunks", "snap_chunk", "snap_conv_idx", "snap_dst",
+                             "chunk_snap_dst")})
     return ForwardMetadata(
         num_tokens=b.num_tokens, num_decodes=b.decodes, max_kv_len=max_kv_len,
         num_decode_snapshots=b.decodes if b.snapshots else 0, prefill=prefill,

@@ -5,7 +5,8 @@ nothing decoding beside it) is the single-request TTFT case, and its host time b
 replay adds straight onto the TTFT (docs/benchmarks.md, "Host time per step"). Its bucket bytes
 (`pack_prefill_step` over `plan_metadata`) depend on the prompt only through five parts: the
 token ids, the slot mapping and the page-table row (from the request's pages), the state slot
-and, with the prefix cache on, the snapshots' destination slots. Everything else (positions,
+and, with the prefix cache on, the snapshots' destination slots (in their list and in the
+per-chunk one). Everything else (positions,
 conv windows, the SSD chunk grid, the snapshots' chunks and conv windows, the padding rows,
 logit rows) is fixed by the bucket, the token count, the number of pages, the snapshot
 positions and the logit positions.
@@ -36,7 +37,8 @@ from mambaserve.metadata import HostMetadata
 # ~30 MB of host memory
 MAX_TEMPLATES = 512
 # the bucket's parts a fresh lone prompt's data reaches (everything else is the key's)
-PATCHED = ("input_ids", "slot_mapping", "page_table", "state_slots", "snap_dst")
+PATCHED = ("input_ids", "slot_mapping", "page_table", "state_slots", "snap_dst",
+           "chunk_snap_dst")
 
 
 @dataclass
@@ -45,6 +47,7 @@ class _Template:
     views: dict[str, np.ndarray]  # PATCHED parts of the packed buffer
     page_of: np.ndarray  # per token: its page's index in the row's page list
     offset: np.ndarray  # per token: its slot inside that page
+    snap_chunk: np.ndarray  # per snapshot: the chunk whose end it saves
 
 
 def fresh_lone_prompt(batch: Batch) -> bool:
@@ -92,6 +95,7 @@ class SoloTemplates:
         v["state_slots"][0] = r.state_slot
         for i, (_, dst) in enumerate(r.snapshots):
             v["snap_dst"][i] = dst
+            v["chunk_snap_dst"][t.snap_chunk[i]] = dst
         return t.host
 
     def _remember(self, key: tuple, host: HostMetadata, packed: np.ndarray,
@@ -99,5 +103,6 @@ class SoloTemplates:
         positions = np.arange(num_tokens, dtype=np.int64)
         stub = replace(host, arrays={"logits_idx": host.arrays["logits_idx"]}, packed=packed)
         t = self._by_key[key] = _Template(stub, {n: bucket_views[n] for n in PATCHED},
-                                          *np.divmod(positions, self.page_size))
+                                          *np.divmod(positions, self.page_size),
+                                          bucket_views["snap_chunk"].copy())
         return t

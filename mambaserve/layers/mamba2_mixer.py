@@ -34,10 +34,7 @@ from mambaserve.ops.gated_rmsnorm import (
 )
 from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
-from mambaserve.ops.state_snapshot import (
-    save_prefill_conv_snapshots,
-    save_prefill_ssm_snapshots,
-)
+from mambaserve.ops.state_snapshot import save_prefill_conv_snapshots
 
 
 class Mamba2Mixer(nn.Module):
@@ -183,18 +180,16 @@ class Mamba2Mixer(nn.Module):
             xBC_p = causal_conv1d_varlen(
                 xBC[:Tp], self.conv_weight, self.conv_bias, conv_state, pf.state_slots,
                 pf.has_initial_state, pf.conv_window_idx, pf.conv_state_idx)
-            y_p, chunk_end_states = ssd_chunk_scan_varlen(
+            y_p = ssd_chunk_scan_varlen(
                 *self._heads(xBC_p, dt[:Tp], A), self.D, self.dt_bias, self.prefill_dt_limit,
                 ssm_state, pf.state_slots,
                 pf.has_initial_state, pf.chunk_token_idx, pf.token_chunk_pos,
-                pf.row_chunks, pf.row_num_chunks)
+                pf.row_chunks, pf.row_num_chunks,
+                pf.chunk_snap_dst if pf.num_snapshots else None)
             if meta.num_decodes:
                 y[:Tp] = y_p
             else:  # prefill-only batch: the scan's output is y (no copy)
                 y = y_p
-            if pf.num_snapshots:
-                save_prefill_ssm_snapshots(ssm_state, chunk_end_states, pf.snap_chunk,
-                                           pf.snap_dst)
         if meta.num_decodes:
             slots = meta.decode_state_slots
             # prefix caching: the rows' new states also go to their snapshot slots, written by

@@ -155,12 +155,6 @@ CONDITIONS: dict[str, Condition | None] = {
         lambda conv_state, ssm_state: conv_state.is_contiguous() and ssm_state.is_contiguous()
         and conv_state.shape[:2] == ssm_state.shape[:2],
         "pools that are not contiguous"),
-    # the copy kernel moves each slot as one flat run of elements
-    "save_prefill_ssm_snapshots": Condition(
-        ("ssm_state", "chunk_end_states"),
-        lambda ssm_state, chunk_end_states: ssm_state[0].is_contiguous()
-        and chunk_end_states.shape[0] > 0 and chunk_end_states[0].is_contiguous(),
-        "pools whose slots are not contiguous"),
     # the kernel gathers from the extended stream itself and casts as the reference does; it
     # reads any strides and is checked bit for bit in these dtypes
     "save_prefill_conv_snapshots": Condition(

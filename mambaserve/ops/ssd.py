@@ -3,7 +3,8 @@
 Chunks are cut at ABSOLUTE positions that are multiples of `chunk_size` (a row whose prefix ends
 mid-chunk gets a short first chunk) and never hold tokens of two rows, so:
   * the state at the end of any chunk is the row's state at an aligned absolute position
-    (what a prefix-cache snapshot stores), returned as `chunk_end_states`;
+    (what a prefix-cache snapshot stores: the scan writes it into the pool slot
+    `chunk_snap_dst[chunk]` itself);
   * state passing restarts at each row's first chunk from its initial state (or zero).
 
 Stages: dt = clamp(softplus(dt + dt_bias)); per chunk the cumulative sum of dt*A; the intra-chunk
@@ -40,8 +41,10 @@ def ssd_chunk_scan_varlen(
     token_chunk_pos: torch.Tensor,
     row_chunks: torch.Tensor,
     row_num_chunks: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan of all prefill rows; writes each row's final state into its slot.
+    chunk_snap_dst: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Chunked scan of all prefill rows; writes each row's final state into its slot, and each
+    chunk's end state into its prefix-cache snapshot slot chunk_snap_dst[chunk] (if >= 0).
 
     x:                 [T, H, P]  (model dtype)        dt: [T, H] raw (before bias/softplus)
     A:                 [H] float32 (negative)           B, C: [T, G, N]
@@ -52,7 +55,9 @@ def ssd_chunk_scan_varlen(
     token_chunk_pos:   [T] int64 flat position of each token in the chunk grid
     row_chunks:        [R, max_chunks_per_row] int64 chunk ids of each row, padding = num_chunks
     row_num_chunks:    [R] int64 number of chunks of each row (>= 1)
-    returns (y [T, H, P] in x.dtype, chunk_end_states [num_chunks, H, P, N] float32)
+    chunk_snap_dst:    [num_chunks] int64 or None (no snapshots); -1: none (on CUDA nothing is
+                       written; the reference sends it to the scratch slot)
+    returns y [T, H, P] in x.dtype
     """
     chunk_size = chunk_token_idx.shape[1]
     if kernel_path("ssd_chunk_scan_varlen", x.device, chunk_size=chunk_size) == "triton":
@@ -60,10 +65,11 @@ def ssd_chunk_scan_varlen(
 
         return ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state,
                                             state_slots, has_initial_state, chunk_token_idx,
-                                            token_chunk_pos, row_chunks, row_num_chunks)
+                                            token_chunk_pos, row_chunks, row_num_chunks,
+                                            chunk_snap_dst)
     return ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                                      has_initial_state, chunk_token_idx, token_chunk_pos,
-                                     row_chunks, row_num_chunks)
+                                     row_chunks, row_num_chunks, chunk_snap_dst)
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
@@ -79,7 +85,7 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
 
 def ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                               has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks,
-                              row_num_chunks):
+                              row_num_chunks, chunk_snap_dst=None):
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     num_chunks, L = chunk_token_idx.shape
@@ -134,4 +140,7 @@ def ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, s
 
     last_chunk = row_chunks.gather(1, (row_num_chunks - 1)[:, None]).squeeze(1)
     ssm_state.index_copy_(0, slots, end_states[last_chunk].to(ssm_state.dtype))
-    return y_flat.to(x.dtype), end_states
+    if chunk_snap_dst is not None:  # snapshot slots are never live slots: the order is free
+        ssm_state.index_copy_(0, safe_slots(chunk_snap_dst, ssm_state.shape[0]),
+                              end_states.to(ssm_state.dtype))
+    return y_flat.to(x.dtype)

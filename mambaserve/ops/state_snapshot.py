@@ -1,9 +1,10 @@
 """Prefix-cache snapshots written during the forward, per Mamba layer, into slots the scheduler
 reserved. Fixed shapes only: destination -1 goes to the scratch slot (a CUDA-graph-safe no-op).
 
-Prefill: the SSM state at a snapshot position is the end state of the chunk that ends there
-(`chunk_end_states` of the scan); the conv state is the K-1 xBC inputs before that position,
-gathered from the extended stream BEFORE the conv op overwrites the row's window.
+Prefill: the SSM state at a snapshot position is the end state of the chunk that ends there,
+which the scan writes itself (`ssd_chunk_scan_varlen`'s chunk_snap_dst); the conv state
+is the K-1 xBC inputs before that position, gathered from the extended stream BEFORE the conv
+op overwrites the row's window (`save_prefill_conv_snapshots`).
 Decode: the row's state after its token, written by the conv step and the state update
 themselves (their `snap_dst`: ops/conv1d.py, ops/selective_state_update.py).
 """
@@ -42,28 +43,6 @@ def save_prefill_conv_snapshots_ref(x: torch.Tensor, conv_state: torch.Tensor,
     ext = extended_stream(x, conv_state, state_slots, has_initial_state)
     dst = safe_slots(snap_dst, conv_state.shape[0])
     conv_state.index_copy_(0, dst, ext[snap_conv_idx].to(conv_state.dtype))
-
-
-def save_prefill_ssm_snapshots(ssm_state: torch.Tensor, chunk_end_states: torch.Tensor,
-                               snap_chunk: torch.Tensor, snap_dst: torch.Tensor) -> None:
-    """chunk_end_states: [num_chunks, H, P, N] float32; snap_chunk, snap_dst: [S]. On CUDA with
-    Triton only snapshots with a destination (>= 0) move bytes (a prefill graph's padding
-    entries cost two index loads); the reference sends the others to the scratch slot."""
-    if kernel_path("save_prefill_ssm_snapshots", ssm_state.device, ssm_state=ssm_state,
-                   chunk_end_states=chunk_end_states) == "triton":
-        from mambaserve.ops.triton.state_copy import copy_rows_triton
-
-        copy_rows_triton(chunk_end_states, snap_chunk, ssm_state, snap_dst)
-        return
-    save_prefill_ssm_snapshots_ref(ssm_state, chunk_end_states, snap_chunk, snap_dst)
-
-
-def save_prefill_ssm_snapshots_ref(ssm_state: torch.Tensor, chunk_end_states: torch.Tensor,
-                                   snap_chunk: torch.Tensor, snap_dst: torch.Tensor) -> None:
-    """Reference of `save_prefill_ssm_snapshots`: every entry copied, -1 to the scratch slot."""
-    dst = safe_slots(snap_dst, ssm_state.shape[0])
-    ssm_state.index_copy_(0, dst, chunk_end_states.index_select(0, snap_chunk)
-                          .to(ssm_state.dtype))
 
 
 def restore_snapshots(conv_state: torch.Tensor, ssm_state: torch.Tensor, src: torch.Tensor,

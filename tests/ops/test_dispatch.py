@@ -82,12 +82,6 @@ def test_conditions_on_a_cuda_device():
     for K in range(1, 8):
         want = "triton" if 2 <= K <= 5 else "reference"
         assert kernel_path("causal_conv1d_varlen", "cuda", weight=torch.zeros(8, K)) == want
-    ssm = torch.zeros(3, 2, 4, 5)
-    ends = torch.zeros(4, 2, 4, 5)
-    assert kernel_path("save_prefill_ssm_snapshots", "cuda", ssm_state=ssm,
-                       chunk_end_states=ends) == "triton"
-    assert kernel_path("save_prefill_ssm_snapshots", "cuda", ssm_state=ssm.transpose(2, 3),
-                       chunk_end_states=ends) == "reference"
 
 
 def test_bad_queries_raise():
@@ -236,16 +230,17 @@ def test_prefill_ops_through_the_kernels(as_if_cuda, chunk_size):
     x, dt = torch.randn(T, H, P, generator=g), torch.randn(T, H, generator=g)
     B, C = torch.randn(T, G, N, generator=g), torch.randn(T, G, N, generator=g)
     A, D, dtb = -torch.rand(H, generator=g) - 0.1, torch.randn(H, generator=g), torch.zeros(H)
-    ssm = torch.randn(3, H, P, N, generator=g)
-    s_ref = ssm.clone()
+    nc = pm.num_chunks - 1  # the end states of all chunks but the last saved into slots 2..
+    ssm = torch.randn(3 + nc, H, P, N, generator=g)
+    s_ref, before = ssm.clone(), ssm.clone()
     args = (slots, pm.has_initial_state, pm.chunk_token_idx, pm.token_chunk_pos, pm.row_chunks,
-            pm.row_num_chunks)
+            pm.row_num_chunks, torch.tensor([*range(2, 2 + nc), -1]))
     lim = (0.0, float("inf"))
-    y, e = ssd.ssd_chunk_scan_varlen(x, dt, A, B, C, D, dtb, lim, ssm, *args)
-    y_ref, e_ref = ssd.ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dtb, lim, s_ref, *args)
+    y = ssd.ssd_chunk_scan_varlen(x, dt, A, B, C, D, dtb, lim, ssm, *args)
+    y_ref = ssd.ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dtb, lim, s_ref, *args)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(e, e_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ssm[:-1], s_ref[:-1], rtol=1e-5, atol=1e-5)
+    assert all(not torch.equal(ssm[2 + c], before[2 + c]) for c in range(nc))  # all written
 
     Dm = 24
     xc, w = torch.randn(T, Dm, generator=g), torch.randn(Dm, K, generator=g)

@@ -87,7 +87,7 @@ def test_prefill_then_decode_continues_the_recurrence(cs):
     ssm_state = randn(g, NUM_SLOTS + 1, H, P, N)
 
     meta = meta_for([row(n_prefill, 0, slot_a, False)], chunk_size=cs)
-    y_pre, _ = ssd_chunk_scan_varlen(
+    y_pre = ssd_chunk_scan_varlen(
         x[:n_prefill], dt_raw[:n_prefill], A, B[:n_prefill], C[:n_prefill], D, dt_bias, lim,
         ssm_state, meta.prefill.state_slots, meta.prefill.has_initial_state, meta.prefill.chunk_token_idx,
         meta.prefill.token_chunk_pos, meta.prefill.row_chunks, meta.prefill.row_num_chunks)

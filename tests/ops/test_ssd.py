@@ -40,11 +40,19 @@ def make_inputs(g, T, H, P, G, N):
 
 
 def run_ssd(meta, ins, dt_limit, ssm_state):
+    """(y, every chunk's end state): the end states through the op's snapshots, into slots of
+    a larger pool (ssm_state's real slots, one per chunk, then its scratch slot) whose real and
+    scratch slots are copied back into ssm_state."""
     x, dt_raw, A, B, C, D, dt_bias = ins
-    return ssd_chunk_scan_varlen(
-        x, dt_raw, A, B, C, D, dt_bias, dt_limit, ssm_state, meta.prefill.state_slots,
-        meta.prefill.has_initial_state, meta.prefill.chunk_token_idx, meta.prefill.token_chunk_pos, meta.prefill.row_chunks,
-        meta.prefill.row_num_chunks)
+    pf, n = meta.prefill, ssm_state.shape[0] - 1
+    pool = torch.cat([ssm_state[:n], ssm_state.new_zeros(pf.num_chunks, *ssm_state.shape[1:]),
+                      ssm_state[n:]])
+    y = ssd_chunk_scan_varlen(
+        x, dt_raw, A, B, C, D, dt_bias, dt_limit, pool, pf.state_slots, pf.has_initial_state,
+        pf.chunk_token_idx, pf.token_chunk_pos, pf.row_chunks, pf.row_num_chunks,
+        torch.arange(n, n + pf.num_chunks))
+    ssm_state[:n], ssm_state[n:] = pool[:n], pool[-1:]
+    return y, pool[n:n + pf.num_chunks]
 
 
 def naive_rows(rows, ins, dt_limit, state0):

@@ -84,13 +84,18 @@ def _shuffle_tokens(meta, seed):
 
 
 def _run(rows, H, P, N, G, chunk_size, dtype, dt_limit=(0.0, float("inf")), strided=False,
-         seed=0, permute=False, shuffle=False, contiguous_chunks=True, **knobs):
-    """Both implementations on one batch; `knobs`: the launcher's `tuning` entry "ssd"."""
+         seed=0, permute=False, shuffle=False, contiguous_chunks=True, snapshots=True, **knobs):
+    """Both implementations on one batch; `knobs`: the launcher's `tuning` entry "ssd".
+    Returns (y, chunk end states, pool) of each and the pool before. `snapshots`: the end states
+    of all chunks but the last are saved into slots of their own past the rows' (the last chunk
+    has none, -1: the reference writes it to the scratch slot, the kernel nowhere); without,
+    the end states returned are empty."""
     gen = torch.Generator().manual_seed(seed)
     meta = _meta(rows, chunk_size)
     T = meta.num_prefill_tokens
     num_slots = max(r[2] for r in rows) + 2
-    x, dt, A, B, C, D, dtb, st = _inputs(T, H, P, N, G, num_slots, dtype, gen, strided)
+    nc = meta.prefill.num_chunks - 1 if snapshots else 0
+    x, dt, A, B, C, D, dtb, st = _inputs(T, H, P, N, G, num_slots + nc, dtype, gen, strided)
     cti, tcp, rc = meta.prefill.chunk_token_idx, meta.prefill.token_chunk_pos, meta.prefill.row_chunks
     if permute:
         cti, tcp, rc = _permute_chunks(meta, seed)
@@ -98,13 +103,15 @@ def _run(rows, H, P, N, G, chunk_size, dtype, dt_limit=(0.0, float("inf")), stri
         cti, tcp, rc = _shuffle_tokens(meta, seed)
     args = (meta.prefill.state_slots.to(torch.int32), meta.prefill.has_initial_state, cti, tcp, rc,
             meta.prefill.row_num_chunks)
+    if snapshots:  # chunk c -> slot num_slots + c (chunk ids as the plan numbers them)
+        args += (torch.tensor([*range(num_slots, num_slots + nc), -1], device=DEV),)
     st_ref, st_tri = st.clone(), st.clone()
-    y_ref, e_ref = ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dtb, dt_limit, st_ref, *args)
+    y_ref = ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dtb, dt_limit, st_ref, *args)
     with tuning.override("ssd", **knobs):
-        y, e = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, dt_limit, st_tri, *args,
-                                            contiguous_chunks=contiguous_chunks)
-    assert y.dtype == x.dtype and e.dtype == torch.float32 and e.shape == e_ref.shape
-    assert not torch.isnan(y).any() and not torch.isnan(e).any()
+        y = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, dt_limit, st_tri, *args,
+                                         contiguous_chunks=contiguous_chunks)
+    e, e_ref = st_tri[num_slots:num_slots + nc], st_ref[num_slots:num_slots + nc]
+    assert y.dtype == x.dtype and not torch.isnan(y).any() and not torch.isnan(e).any()
     return (y, e, st_tri), (y_ref, e_ref, st_ref), st
 
 
@@ -123,8 +130,10 @@ ROWS = [(37, 0, 0, False), (5, 10, 3, True), (16, 16, 1, True), (29, 3, 2, True)
         (7, 0, -1, False)]
 
 
-def test_ssd_fp32_ragged():
-    got, ref, st0 = _run(ROWS, H=4, P=16, N=16, G=2, chunk_size=16, dtype=torch.float32)
+@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "none"])
+def test_ssd_fp32_ragged(snapshots):
+    got, ref, st0 = _run(ROWS, H=4, P=16, N=16, G=2, chunk_size=16, dtype=torch.float32,
+                         snapshots=snapshots)
     _close(got, ref, st0, F32_TOL)
 
 
@@ -222,7 +231,7 @@ NEMO_ROWS = {
 def test_ssd_nemotron9b_bf16_gpu(rows):
     got, ref, st0 = _run(rows, H=128, P=80, N=128, G=8, chunk_size=128, dtype=torch.bfloat16,
                          strided=True, seed=3)
-    for a, b in zip(got, ref):
+    for a, b in zip(got[:2] + (got[2][:-1],), ref[:2] + (ref[2][:-1],)):
         assert _rel(a, b) < 1e-2, _rel(a, b)
     torch.testing.assert_close(got[2][-1], st0[-1])
 
@@ -244,6 +253,6 @@ GPU_KNOBS = {
 def test_ssd_nemotron9b_bf16_knobs_gpu(knobs):
     got, ref, st0 = _run(NEMO_ROWS["4x2048ish"], H=128, P=80, N=128, G=8, chunk_size=128,
                          dtype=torch.bfloat16, strided=True, seed=3, **knobs)
-    for a, b in zip(got, ref):
+    for a, b in zip(got[:2] + (got[2][:-1],), ref[:2] + (ref[2][:-1],)):
         assert _rel(a, b) < 1e-2, _rel(a, b)
     torch.testing.assert_close(got[2][-1], st0[-1])

@@ -1,7 +1,8 @@
-"""Triton row copy for prefill SSM snapshots vs. the reference (CPU interpreter without CUDA;
+"""Triton row copy (prefix-cache restores) vs. the reference (CPU interpreter without CUDA;
 compiled with it): destinations get the rows' states bit for bit (cast to the pool's dtype),
 entries without a destination (and padding with source -1) touch nothing, not even the scratch
-slot. (Decode snapshots are written by the conv step and the state update: their tests.)"""
+slot. (Snapshots are written by the prefill scan, the conv step and the state update: their
+tests.)"""
 
 from __future__ import annotations
 
@@ -11,10 +12,6 @@ from triton_env import DEV, decide_as_cuda, require_interpreter  # before anythi
 
 from mambaserve.ops import state_snapshot
 from mambaserve.ops.dispatch import kernel_path
-from mambaserve.ops.state_snapshot import (
-    save_prefill_ssm_snapshots,
-    save_prefill_ssm_snapshots_ref,
-)
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.state_copy import _copy_rows_kernel, copy_rows_triton
 
@@ -44,7 +41,7 @@ def test_copy_slots_matches_reference_on_real_slots(dtype, block):
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
 def test_copy_rows_between_tensors_casts_and_skips(pool_dtype):
-    """Prefill snapshots: chunk end states (float32) -> pool slots; -1 destinations (a prefill
+    """Rows of one tensor (float32) -> pool slots of another, cast; -1 destinations (a prefill
     graph's padding entries) move nothing."""
     gen = torch.Generator().manual_seed(4)
     states = torch.randn(5, 2, 3, 4, generator=gen).to(DEV)  # [chunks, H, P, N]
@@ -57,33 +54,6 @@ def test_copy_rows_between_tensors_casts_and_skips(pool_dtype):
     expect = before.clone()
     expect[6], expect[2] = states[0].to(pool_dtype), states[4].to(pool_dtype)
     assert torch.equal(pool, expect)
-    ref = before.clone()
-    save_prefill_ssm_snapshots_ref(ref, states, chunk, dst)
-    assert torch.equal(pool[:-1], ref[:-1])  # the reference differs in the scratch slot only
-
-
-def test_prefill_snapshots_through_the_public_op(monkeypatch):
-    decided = decide_as_cuda(monkeypatch, state_snapshot)
-    gen = torch.Generator().manual_seed(5)
-    states = torch.randn(3, 2, 4, 5, generator=gen).to(DEV)
-    pool = torch.randn(6, 2, 4, 5, generator=gen).to(DEV)
-    chunk = torch.tensor([2, 0], device=DEV)
-    dst = torch.tensor([1, -1], device=DEV)
-    ref = pool.clone()
-    save_prefill_ssm_snapshots(pool, states, chunk, dst)
-    save_prefill_ssm_snapshots_ref(ref, states, chunk, dst)
-    assert torch.equal(pool[:-1], ref[:-1]) and torch.equal(pool[1], states[2])
-    assert DEV == "cuda" or decided == ["triton"]
-
-
-def test_public_op_on_cpu_is_the_reference():
-    gen = torch.Generator().manual_seed(2)
-    states, pool = torch.randn(3, 2, 3, 4, generator=gen), torch.randn(6, 2, 3, 4, generator=gen)
-    chunk, dst = torch.tensor([2, 0]), torch.tensor([4, -1])
-    ref = pool.clone()
-    save_prefill_ssm_snapshots(pool, states, chunk, dst)
-    save_prefill_ssm_snapshots_ref(ref, states, chunk, dst)
-    assert torch.equal(pool, ref) and torch.equal(pool[4], states[2])
 
 
 def test_bad_pool_and_block_rejected():

@@ -81,15 +81,17 @@ def _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, c, t0, clen, 
 @triton.jit(do_not_specialize=["num_chunks", "rc_r"])
 def _chunk_state_passing_kernel(
     x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, st_ptr, src_ptr,
-    ssm_ptr, slot_ptr, init_ptr, row_chunks_ptr, nchunks_ptr,
+    ssm_ptr, slot_ptr, init_ptr, row_chunks_ptr, nchunks_ptr, snap_ptr,
     num_chunks, H, P, N, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n, cti_c, s_slot, s_h, s_p, s_n, rc_r,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    IP: tl.constexpr, CONTIG: tl.constexpr,
+    IP: tl.constexpr, CONTIG: tl.constexpr, SNAPS: tl.constexpr,
 ):
     """Launch S (docs/kernels.md): walks one row's chunks in order for a [BLOCK_P, BLOCK_N]
     tile of one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B,
-    keeping S in registers; each chunk's true end state is stored once."""
+    keeping S in registers (float32); each chunk's end state is stored once in the state
+    buffer's dtype (x's: the output launch's dot operand), and in the pool's dtype into the
+    snapshot slot of a chunk that has one (SNAPS: snap_ptr holds each chunk's slot or -1)."""
     num_nb = tl.cdiv(N, BLOCK_N)
     pb = tl.program_id(0) // num_nb
     nb = tl.program_id(0) % num_nb
@@ -112,7 +114,8 @@ def _chunk_state_passing_kernel(
     running = tl.load(s_base + s_off, mask=mpn & use_init, other=0.0).to(tl.float32)
     # keep the initial state for the output launch: the slot is overwritten below
     init_id = num_chunks + r.to(tl.int64)
-    tl.store(st_ptr + (init_id * H + h) * PN + st_off, running, mask=mpn & use_init)
+    st_dt = st_ptr.dtype.element_ty
+    tl.store(st_ptr + (init_id * H + h) * PN + st_off, running.to(st_dt), mask=mpn & use_init)
     writer = (h == 0) & (tl.program_id(0) == 0)  # one program per row records the sources
     prev = tl.where(use_init, init_id, -1)
     nck = tl.load(nchunks_ptr + r)
@@ -142,7 +145,11 @@ def _chunk_state_passing_kernel(
         t0_n = tl.load(cti_ptr + nxt * cti_c, mask=more, other=0)
         clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)
         running = running * tl.exp(cum_last) + loc
-        tl.store(st_ptr + (cid * H + h) * PN + st_off, running, mask=mpn)
+        tl.store(st_ptr + (cid * H + h) * PN + st_off, running.to(st_dt), mask=mpn)
+        if SNAPS:  # a prefix-cache snapshot at this chunk's end
+            dst = tl.load(snap_ptr + cid)
+            tl.store(ssm_ptr + tl.maximum(dst, 0) * s_slot + h * s_h + s_off,
+                     running.to(ssm_ptr.dtype.element_ty), mask=mpn & (dst >= 0))
         prev = cid
         cid = nxt
         t0 = t0_n
@@ -291,7 +298,7 @@ class SsdScan:
 
     def __init__(self, x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                  has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks, row_num_chunks,
-                 *, contiguous_chunks: bool = True):
+                 chunk_snap_dst=None, *, contiguous_chunks: bool = True):
         T, H, P = x.shape
         G, N = B.shape[1], B.shape[2]
         num_chunks, L = chunk_token_idx.shape
@@ -304,8 +311,11 @@ class SsdScan:
         assert state_slots.shape == (R,) and has_initial_state.shape == (R,)
         assert row_num_chunks.shape == (R,) and token_chunk_pos.shape == (T,)
         assert L >= 16 and L & (L - 1) == 0, "chunk_size must be a power of two >= 16"
-        for t in (state_slots, has_initial_state, chunk_token_idx, row_chunks, row_num_chunks):
-            assert t.is_contiguous()
+        assert chunk_snap_dst is None or chunk_snap_dst.shape == (num_chunks,)
+        for t in (state_slots, has_initial_state, chunk_token_idx, row_chunks, row_num_chunks,
+                  chunk_snap_dst):
+            assert t is None or t.is_contiguous()
+        self.chunk_snap_dst = chunk_snap_dst
         self.x, self.dt, self.A, self.B, self.C, self.D = x, dt, A, B, C, D
         self.dt_bias, self.ssm_state, self.state_slots = dt_bias, ssm_state, state_slots
         self.has_initial_state, self.chunk_token_idx = has_initial_state, chunk_token_idx
@@ -342,9 +352,10 @@ class SsdScan:
 
         dev = x.device
         self.y = torch.empty((T, H, P), dtype=x.dtype, device=dev)
-        # chunk end states, then one initial state per row (written by S for rows that use one)
-        self.states = torch.empty((num_chunks + R, H, P, N), dtype=torch.float32, device=dev)
-        self.end_states = self.states[:num_chunks]
+        # chunk end states, then one initial state per row (written by S for rows that use one),
+        # in x's dtype: launch C uses them only as dot operands of that dtype, so rounding them
+        # when they are stored changes no output and halves their bytes for 16-bit x
+        self.states = torch.empty((num_chunks + R, H, P, N), dtype=x.dtype, device=dev)
         self.empty = num_chunks == 0 or T == 0
         if self.empty:
             return
@@ -363,11 +374,11 @@ class SsdScan:
         return (("dt", self.launch_dt), ("state", self.launch_state), ("cb", self.launch_cb),
                 ("scan", self.launch_scan))
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every launch in order; returns (y, chunk_end_states)."""
+    def run(self) -> torch.Tensor:
+        """Every launch in order; returns y."""
         for _, launch in self.launches:
             launch()
-        return self.y, self.end_states
+        return self.y
 
     def launch_dt(self) -> None:
         """0: dt = clamp(softplus(dt + dt_bias)) and cum = cumsum(dt A) per chunk, chunk lengths."""
@@ -379,17 +390,19 @@ class SsdScan:
         )
 
     def launch_state(self) -> None:
-        """S: every chunk's end state, each row's final state into its slot."""
+        """S: every chunk's end state, each row's final state into its slot, the snapshots."""
         x, B, cti, ssm = self.x, self.B, self.chunk_token_idx, self.ssm_state
         P, N = self.P, self.N
         _chunk_state_passing_kernel[(triton.cdiv(P, self.bps) * triton.cdiv(N, self.bns),
                                      self.H, self.R)](
             x, B, cti, self.dt_c, self.cum, self.clen, self.states, self.chunk_src,
             ssm, self.state_slots, self.has_initial_state, self.row_chunks, self.row_num_chunks,
+            self.chunk_snap_dst if self.chunk_snap_dst is not None else self.row_num_chunks,
             self.num_chunks, self.H, P, N, self.H // self.G,
             *x.stride(), *B.stride(), cti.stride(0), *ssm.stride(), self.row_chunks.stride(0),
             L=self.L, BLOCK_P=self.bps, BLOCK_N=self.bns, BLOCK_L=self.bls, IP=self.ip,
-            CONTIG=self.contig, num_warps=self.warps_state, num_stages=self.stages_state,
+            CONTIG=self.contig, SNAPS=self.chunk_snap_dst is not None,
+            num_warps=self.warps_state, num_stages=self.stages_state,
         )
 
     def launch_cb(self) -> None:
@@ -420,9 +433,10 @@ class SsdScan:
 
 def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                                  has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks,
-                                 row_num_chunks, *, contiguous_chunks: bool = True):
+                                 row_num_chunks, chunk_snap_dst=None, *,
+                                 contiguous_chunks: bool = True):
     """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen` (`contiguous_chunks`: see
     `SsdScan`)."""
     return SsdScan(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                    has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks, row_num_chunks,
-                   contiguous_chunks=contiguous_chunks).run()
+                   chunk_snap_dst, contiguous_chunks=contiguous_chunks).run()

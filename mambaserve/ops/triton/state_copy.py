@@ -1,15 +1,9 @@
-"""Triton copy of rows between tensors for the prefix cache: prefill snapshots (a scan's chunk
-end states into state-pool slots) and restores (`restore_snapshots`: a hit's snapshot into the
-live slot, over the pools' (layer, slot) rows, with no temporary). Only the rows that have a
-destination move any bytes.
-
-The reference (`mambaserve.ops.state_snapshot.save_prefill_ssm_snapshots_ref`) copies every
-entry, sending those without a destination (-1) to the scratch slot. Inside a prefill CUDA graph
-the count of snapshot entries is fixed (engine/prefill_graph.py) and nearly all are padding, so
-that path would move a whole fp32 state per entry and layer (5.2 MB at the Nemotron-Nano-9B-v2
-shapes). Here a program whose row has no destination returns after two index loads. (Decode
-rows' snapshots need no copy: the conv step and the state update write them.) Launch
-parameters: `tuning` entry "state_copy".
+"""Triton copy of rows between tensors for the prefix cache's restores (`restore_snapshots`:
+a hit's snapshot into the live slot, over the pools' (layer, slot) rows, with no temporary).
+Only the rows that have a destination move any bytes: a program whose row has no destination
+(-1) returns after two index loads. (Snapshots need no copy: the prefill scan and, for decode
+rows, the conv step and the state update write them.) Launch parameters: `tuning` entry
+"state_copy".
 """
 
 from __future__ import annotations
