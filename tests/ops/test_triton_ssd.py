@@ -256,3 +256,21 @@ def test_ssd_nemotron9b_bf16_knobs_gpu(knobs):
     for a, b in zip(got[:2] + (got[2][:-1],), ref[:2] + (ref[2][:-1],)):
         assert _rel(a, b) < 1e-2, _rel(a, b)
     torch.testing.assert_close(got[2][-1], st0[-1])
+
+
+def test_snapshots_need_contiguous_heads():
+    """Launch S stores a snapshot with the state buffer's [P, N] offsets: a pool whose heads are
+    laid out otherwise is refused with a clear message."""
+    meta = _meta([(20, 0, 0, False)], 16)
+    T, pf = meta.num_prefill_tokens, meta.prefill
+    x, dt, A, B, C, D, dtb, st = _inputs(T, 2, 8, 8, 1, 3, torch.float32,
+                                         torch.Generator().manual_seed(0), False)
+    args = (pf.state_slots.to(torch.int32), pf.has_initial_state, pf.chunk_token_idx,
+            pf.token_chunk_pos, pf.row_chunks, pf.row_num_chunks)
+    snaps = torch.tensor([2, -1], device=DEV)
+    with pytest.raises(AssertionError, match="contiguous"):
+        ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, (0.0, float("inf")),
+                                     st.transpose(2, 3), *args, snaps)
+    ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, (0.0, float("inf")),
+                                 st.transpose(2, 3), *args)  # no snapshots: any strides
+

@@ -146,10 +146,11 @@ def _chunk_state_passing_kernel(
         clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)
         running = running * tl.exp(cum_last) + loc
         tl.store(st_ptr + (cid * H + h) * PN + st_off, running.to(st_dt), mask=mpn)
-        if SNAPS:  # a prefix-cache snapshot at this chunk's end
-            dst = tl.load(snap_ptr + cid)
-            tl.store(ssm_ptr + tl.maximum(dst, 0) * s_slot + h * s_h + s_off,
-                     running.to(ssm_ptr.dtype.element_ty), mask=mpn & (dst >= 0))
+        if SNAPS:  # a prefix-cache snapshot at this chunk's end (a slot's heads are contiguous
+            dst = tl.load(snap_ptr + cid)  # [P, N]: the state buffer's offsets, no tile of its own)
+            if dst >= 0:
+                tl.store(ssm_ptr + dst * s_slot + h * s_h + st_off,
+                         running.to(ssm_ptr.dtype.element_ty), mask=mpn)
         prev = cid
         cid = nxt
         t0 = t0_n
@@ -311,7 +312,9 @@ class SsdScan:
         assert state_slots.shape == (R,) and has_initial_state.shape == (R,)
         assert row_num_chunks.shape == (R,) and token_chunk_pos.shape == (T,)
         assert L >= 16 and L & (L - 1) == 0, "chunk_size must be a power of two >= 16"
-        assert chunk_snap_dst is None or chunk_snap_dst.shape == (num_chunks,)
+        if chunk_snap_dst is not None:
+            assert chunk_snap_dst.shape == (num_chunks,), "chunk_snap_dst: one entry per chunk"
+            assert ssm_state[0, 0].is_contiguous(), "snapshots need each head's [P, N] contiguous"
         for t in (state_slots, has_initial_state, chunk_token_idx, row_chunks, row_num_chunks,
                   chunk_snap_dst):
             assert t is None or t.is_contiguous()
