@@ -159,21 +159,27 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
         A = -torch.rand(H, device=dev, generator=g) * 2 - 0.05
         D = torch.randn(H, device=dev, generator=g)
         dt_bias = torch.randn(H, device=dev, generator=g) * 0.5
-        ssm = torch.randn(nrows + 1, H, P, N, device=dev, generator=g)
+        # the rows' slots, two prefix-cache snapshot slots, the scratch slot
+        ssm = torch.randn(nrows + 3, H, P, N, device=dev, generator=g)
         args = (pm.state_slots.to(torch.int32), pm.has_initial_state, pm.chunk_token_idx,
                 pm.token_chunk_pos, pm.row_chunks, pm.row_num_chunks)
+        # "+ 2 snapshots": the end states of row 0's 4th and 8th chunks (or its last) saved, as
+        # a step with prefix caching on saves a few
+        snaps = torch.full((pm.num_chunks,), -1, dtype=torch.int64, device=dev)
+        snaps[min(3, pm.num_chunks - 1)], snaps[min(7, pm.num_chunks - 1)] = nrows, nrows + 1
         flops = pm.num_chunks * H * (2 * L * L * N + 2 * L * L * P + 4 * L * N * P)
         shape = f"{nrows}x{seqlen}"
         s1 = ssm.clone()
-        yr = ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1, *args)
+        yr = ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1, *args, snaps)
 
-        def first_launches(state, n):  # a new scan (allocations included), its first n launches
-            scan = SsdScan(x, dt, A, Bm, Cm, D, dt_bias, lim, state, *args)
+        def first_launches(state, n, snapshots):  # a new scan (allocations included), its first
+            scan = SsdScan(x, dt, A, Bm, Cm, D, dt_bias, lim, state, *args,  # n launches
+                           snaps if snapshots else None)
             for _, launch in scan.launches[:n]:
                 launch()
             return scan
 
-        variants = [("triton", {}, 4)]
+        variants = [("triton", {}, 4), ("triton + 2 snapshots", {}, 4)]
         if sweep:
             for bp, bn, nw, *rest in SSD_STATE_SWEEP:
                 bl, ns = rest or (None, 1)
@@ -190,11 +196,13 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
             try:
                 with tuning.override("ssd", **knobs):
                     s2 = ssm.clone()
-                    scan = first_launches(s2, n)
+                    snapshots = "snapshots" in name
+                    scan = first_launches(s2, n, snapshots)
                     yt = scan.y
-                    err = max(rel(yt, yr), rel(s2, s1)) if n == 4 else float("nan")
+                    k = nrows + 2 if snapshots else nrows  # the slots both wrote
+                    err = max(rel(yt, yr), rel(s2[:k], s1[:k])) if n == 4 else float("nan")
                     nan = bool(torch.isnan(yt).any() or torch.isnan(s2).any()) if n == 4 else False
-                    ms = h.time_ms(lambda: first_launches(s2, n))
+                    ms = h.time_ms(lambda: first_launches(s2, n, snapshots))
                     dev_us = h.device_us(lambda: [launch() for _, launch in scan.launches[:n]])
                 h.row(op="ssd_scan", impl=name, shape=shape, us=ms * 1e3,
                       TFLOPs=flops / ms / 1e9, rel_err=err, nan=nan, device_us=dev_us)
