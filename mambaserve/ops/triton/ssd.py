@@ -127,6 +127,8 @@ def _chunk_state_passing_kernel(
         tl.store(src_ptr + cid, prev, mask=writer)
         ch = (cid * H + h) * L
         cum_last = tl.load(cum_ptr + ch + L - 1)
+        if SNAPS:  # the chunk's snapshot slot, loaded before the dot hides its latency
+            dst = tl.load(snap_ptr + cid)
         if BLOCK_L == L:  # the whole chunk in one dot, no loop
             xw, Bm = _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0, clen,
                                            ch, cum_last, h, g, 0, offs_p, offs_n, mp, mn, x_t,
@@ -147,8 +149,7 @@ def _chunk_state_passing_kernel(
         running = running * tl.exp(cum_last) + loc
         tl.store(st_ptr + (cid * H + h) * PN + st_off, running.to(st_dt), mask=mpn)
         if SNAPS:  # a prefix-cache snapshot at this chunk's end (a slot's heads are contiguous
-            dst = tl.load(snap_ptr + cid)  # [P, N]: the state buffer's offsets, no tile of its own)
-            if dst >= 0:
+            if dst >= 0:  # [P, N]: the state buffer's offsets, no tile of its own)
                 tl.store(ssm_ptr + dst * s_slot + h * s_h + st_off,
                          running.to(ssm_ptr.dtype.element_ty), mask=mpn)
         prev = cid
