@@ -97,7 +97,9 @@ def test_bf16_at_the_published_shapes_on_gpu(activation, E, k, H, I, T):
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # padding rows of inter
+# padding rows of inter (never stored) hold whatever the buffer held: numpy warns on their math
+# (invalid value / overflow in matmul, add, multiply, cast); the real rows are compared below
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
 @pytest.mark.parametrize("T,H,I,E,k,block_m", [(40, 32, 24, 6, 2, 64), (130, 48, 40, 12, 3, 128),
                                                (9, 64, 16, 4, 4, 64)])
