@@ -45,10 +45,9 @@ class PrefillMetadata:
     row_chunks: torch.Tensor  # [P, max_chunks_per_row], padding = num_chunks
     row_num_chunks: torch.Tensor  # [P]
     # prefix-cache snapshots (sizes are host ints: no data-dependent shapes)
-    snap_chunk: torch.Tensor  # [S] chunk whose end state is saved
     snap_conv_idx: torch.Tensor  # [S, K-1] into the extended conv stream
     snap_dst: torch.Tensor  # [S] destination slots
-    chunk_snap_dst: torch.Tensor  # [num_chunks] the snapshot slot of each chunk's end, or -1
+    chunk_snap_dst: torch.Tensor  # [num_chunks] the SSM snapshot slot of each chunk's end, or -1
     # prefix-cache restores, run before the first layer
     restore_src: torch.Tensor  # [num_restores] cached snapshot slots
     restore_dst: torch.Tensor  # [num_restores] live slots they are copied into
@@ -127,7 +126,7 @@ class HostMetadata:
 _COMMON_ARRAYS = ("input_ids", "positions", "token_row", "state_slots", "page_table",
                   "slot_mapping", "logits_idx", "decode_snap_dst")
 _PREFILL_ARRAYS = ("has_initial_state", "conv_window_idx", "conv_state_idx", "chunk_token_idx",
-                   "token_chunk_pos", "row_chunks", "row_num_chunks", "snap_chunk",
+                   "token_chunk_pos", "row_chunks", "row_num_chunks",
                    "snap_conv_idx", "snap_dst", "chunk_snap_dst", "restore_src", "restore_dst")
 
 
@@ -275,7 +274,8 @@ def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: lis
                           np.array(first_l[:-1], dtype=np.int64)[:, None] + cols, C)
 
     # --- prefix-cache snapshots and restores ----------------------------------------------------
-    snap_chunk, snap_conv, snap_dst = [], [], []
+    snap_conv, snap_dst = [], []
+    chunk_snap_dst = np.full(C, -1, dtype=np.int64)  # the scan's view: one entry per chunk
     for r, row in enumerate(prefills):
         for pos, dst in row.snapshots:
             # a snapshot sits at the end of one of the row's chunks: a multiple of L or the
@@ -283,11 +283,9 @@ def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: lis
             local_end = pos - ctx[r]
             if not 0 < local_end <= lens[r] or (pos % L and local_end != lens[r]):
                 raise ValueError(f"snapshot position {pos} is not a chunk end of its row")
-            snap_chunk.append(first_l[r] + (pos - 1) // L - ctx[r] // L)
+            chunk_snap_dst[first_l[r] + (pos - 1) // L - ctx[r] // L] = dst
             snap_conv.append(ext_index(r, local_end + np.arange(K1)))
             snap_dst.append(dst)
-    chunk_snap_dst = np.full(C, -1, dtype=np.int64)  # the scan's view: one entry per chunk
-    chunk_snap_dst[np.array(snap_chunk, dtype=np.int64)] = snap_dst
     restores = [(r.restore_from, r.request.state_slot) for r in prefills if r.restore_from >= 0]
     return {
         "has_initial_state": np.array([bool(r.has_initial_state) for r in prefills],
@@ -296,7 +294,6 @@ def _prefill_arrays(prefills: list, lens: list[int], starts: list[int], ctx: lis
         "chunk_token_idx": chunk_token_idx, "token_chunk_pos": token_chunk_pos,
         "row_chunks": row_chunks,
         "row_num_chunks": row_num_chunks,
-        "snap_chunk": np.array(snap_chunk, dtype=np.int64),
         "snap_conv_idx": np.array(snap_conv, dtype=np.int64).reshape(len(snap_conv), K1),
         "snap_dst": np.array(snap_dst, dtype=np.int64),
         "chunk_snap_dst": chunk_snap_dst,

@@ -134,13 +134,13 @@ def test_chunk_grid_and_conv_windows_match_a_loop_over_tokens(seed):
 
 def test_snapshots_per_chunk_for_the_scan():
     """chunk_snap_dst: the snapshot slot of each chunk's end (-1: none), the same snapshots as
-    the (snap_chunk, snap_dst) list."""
+    the snap_dst list."""
     rows = [R(list(range(13)), 5, 0, True, [0, 1, 2, 3, 4]),  # chunks [5,8) [8,16) [16,18)
             R(list(range(8)), 0, 1, False, [5, 6])]  # chunk [0,8)
     rows[0].snapshots = [(8, 40), (18, 41)]  # the ends of its first and last chunk
     rows[1].snapshots = [(8, 42)]
     m = build(rows)
     pf = m.prefill
-    assert pf.snap_chunk.tolist() == [0, 2, 3] and pf.snap_dst.tolist() == [40, 41, 42]
+    assert pf.snap_dst.tolist() == [40, 41, 42]
     assert pf.chunk_snap_dst.tolist() == [40, -1, 41, 42]
     assert build([R(list(range(3)), 0, 0, False, [0])]).prefill.chunk_snap_dst.tolist() == [-1]

@@ -75,7 +75,7 @@ class PrefillBucket:
             "conv_window_idx": (_I64, (Tp, K)), "conv_state_idx": (_I64, (P, K - 1)),
             "chunk_token_idx": (_I64, (self.chunks, self.chunk_size)),
             "token_chunk_pos": (_I64, (Tp,)), "row_chunks": (_I64, (P, self.chunks_per_row)),
-            "row_num_chunks": (_I64, (P,)), "snap_chunk": (_I64, (S,)),
+            "row_num_chunks": (_I64, (P,)),
             "snap_conv_idx": (_I64, (S, K - 1)), "snap_dst": (_I64, (S,)),
             "chunk_snap_dst": (_I64, (self.chunks,)),
             "restore_src": (_I64, (P - 1,)), "restore_dst": (_I64, (P - 1,)),
@@ -195,7 +195,6 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     cti.reshape(-1)[c * L: c * L + n_pad] = np.arange(Tr, Tp)
     tcp[Tr:] = c * L + pad_pos
     Sr = len(get("snap_dst"))
-    out["snap_chunk"][:Sr] = get("snap_chunk")  # padding: chunk 0 (always a real chunk)
     out["snap_conv_idx"][:Sr] = ext(get("snap_conv_idx", (0, K1)))
     out["snap_dst"][:] = -1
     out["snap_dst"][:Sr] = get("snap_dst")
@@ -221,7 +220,7 @@ def bucket_metadata(parts: dict[str, torch.Tensor], b: PrefillBucket, *,
         restore_src=t["restore_src"][:0], restore_dst=t["restore_dst"][:0],
         **{n: t[n] for n in ("has_initial_state", "conv_window_idx", "conv_state_idx",
                              "chunk_token_idx", "token_chunk_pos", "row_chunks",
-                             "row_num_chunks", "snap_chunk", "snap_conv_idx", "snap_dst",
+                             "row_num_chunks", "snap_conv_idx", "snap_dst",
                              "chunk_snap_dst")})
     return ForwardMetadata(
         num_tokens=b.num_tokens, num_decodes=b.decodes, max_kv_len=max_kv_len,

@@ -102,7 +102,9 @@ class SoloTemplates:
                   bucket_views: dict[str, np.ndarray], num_tokens: int) -> _Template:
         positions = np.arange(num_tokens, dtype=np.int64)
         stub = replace(host, arrays={"logits_idx": host.arrays["logits_idx"]}, packed=packed)
+        # the chunk of each snapshot: where the plan put its (distinct) destination slot
+        chunk_of = {d: c for c, d in enumerate(host.arrays["chunk_snap_dst"].tolist()) if d >= 0}
+        snap_chunk = np.array([chunk_of[d] for d in host.arrays["snap_dst"].tolist()], np.int64)
         t = self._by_key[key] = _Template(stub, {n: bucket_views[n] for n in PATCHED},
-                                          *np.divmod(positions, self.page_size),
-                                          bucket_views["snap_chunk"].copy())
+                                          *np.divmod(positions, self.page_size), snap_chunk)
         return t

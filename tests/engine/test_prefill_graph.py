@@ -75,8 +75,8 @@ def test_pack_embeds_the_eager_plan_and_pads_it():
     assert p["conv_window_idx"][0].tolist() == [0, 1, 2, 9]
     assert p["conv_window_idx"][6].tolist() == [6, 7, 8, 9 + 6]  # padding row from its window
     assert p["conv_state_idx"].tolist() == [[12, 13, 14], [3, 4, 5], [22, 23, 24]]
-    assert p["snap_chunk"].tolist() == [0, 0, 0, 0] and p["snap_dst"].tolist() == [9, -1, -1, -1]
-    assert p["chunk_snap_dst"].tolist() == [9, -1, -1, -1, -1, -1, -1]  # the scan's per chunk
+    assert p["snap_dst"].tolist() == [9, -1, -1, -1]
+    assert p["chunk_snap_dst"].tolist() == [9, -1, -1, -1, -1, -1, -1]  # the scan's: chunk 0
     assert p["snap_conv_idx"][0].tolist() == [9, 10, 11]  # the inputs at positions 5, 6, 7
     assert p["decode_snap_dst"].tolist() == [-1, -1]
 
