@@ -17,7 +17,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_or_replicate_range,
     shard_range,
 )
-from mambaserve.layers.linear import Linear, is_plain_linear
+from mambaserve.layers.linear import Linear, folds_residual, is_plain_linear, residual_projection
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.layers.stacked_linear import stacked_linear
 from mambaserve.metadata import ForwardMetadata
@@ -99,17 +99,25 @@ class Attention(nn.Module):
         return (q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D),
                 v.view(T, self.num_kv_heads, D))
 
+    @property
+    def folds_residual(self) -> bool:
+        """`forward(..., residual=)` is taken: o_proj is a plain projection without bias."""
+        return folds_residual(self.o_proj)
+
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, kv_cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 qkv: torch.Tensor | None = None, add: torch.Tensor | None = None,
-                into: torch.Tensor | None = None) -> torch.Tensor:
+                into: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim];
         rope: `rope_tables(meta)` of the forward (computed here when None); qkv: the packed
         q / k / v projection of x when the layer computed it together with Mamba's in_proj;
         add [T, hidden]: returned added to the output (Falcon-H1's Mamba output), by o_proj's
         own launch where o_proj is a plain projection. `into` [T, heads x head_dim] (o_proj is
         then the caller's: `DecoderLayer.pack_mixer_projections`): the attention output, before
-        o_proj, is written there and returned."""
+        o_proj, is written there and returned. `residual` [T, hidden] (only where
+        `folds_residual`, without `add` or `into`): returns residual + the output, added by
+        o_proj's launch."""
         T = x.shape[0]
         q, k, v = self._qkv(x, qkv)
         if self.key_multiplier != 1.0:  # unfolded (tests); fold_scales moves it into k's rows
@@ -126,6 +134,9 @@ class Attention(nn.Module):
         if into is not None:
             return into
         out = out.reshape(T, -1)
+        if residual is not None:
+            assert add is None, "residual and add are not taken together"
+            return residual_projection(self.o_proj, out, residual)
         if add is None:
             return self.o_proj(out)
         if is_plain_linear(self.o_proj):

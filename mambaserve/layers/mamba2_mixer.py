@@ -22,7 +22,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_range,
 )
 from mambaserve.layers.fp8_linear import is_dynamic_fp8
-from mambaserve.layers.linear import Linear
+from mambaserve.layers.linear import Linear, folds_residual, residual_projection
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -154,11 +154,14 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor, zxbcdt: torch.Tensor | None = None,
-                into: torch.Tensor | None = None) -> torch.Tensor:
+                into: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden]; conv_state: [slots + 1, K-1, conv_dim]; ssm_state: [slots + 1, H, P, N].
         `zxbcdt`: in_proj(x) when the layer computed it in a packed projection (in_proj is then
         None: `DecoderLayer.pack_mixer_projections`). `into` [T, d_inner] (out_proj is then the
-        caller's, packed likewise): the gated norm's output is written there and returned."""
+        caller's, packed likewise): the gated norm's output is written there and returned.
+        `residual` [T, hidden] (only where `folds_residual`): returns residual + the output,
+        added by out_proj's launch (`layers.linear.residual_projection`)."""
         T = x.shape[0]
         Tp = meta.num_prefill_tokens
         H, P = self.num_heads, self.head_dim
@@ -209,7 +212,15 @@ class Mamba2Mixer(nn.Module):
         # an FP8 out_proj of dynamic scales gets FP8 rows from the gated norm's pass
         quantize = is_dynamic_fp8(self.out_proj) and self.norm_kind != "none" \
             and self.norm_span is None
-        return self.out_proj(self._gated_norm(y.reshape(T, self.d_inner), z, quantize=quantize))
+        g = self._gated_norm(y.reshape(T, self.d_inner), z, quantize=quantize)
+        if residual is not None:
+            return residual_projection(self.out_proj, g, residual)
+        return self.out_proj(g)
+
+    @property
+    def folds_residual(self) -> bool:
+        """`forward(..., residual=)` is taken: out_proj is a plain projection without bias."""
+        return folds_residual(self.out_proj)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, into: torch.Tensor | None = None,
                     quantize: bool = False):

@@ -15,7 +15,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_range,
 )
 from mambaserve.layers.fp8_linear import is_dynamic_fp8
-from mambaserve.layers.linear import Linear, is_plain_linear
+from mambaserve.layers.linear import Linear, folds_residual, is_plain_linear, residual_projection
 from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.ops.activation import relu2, silu_mul  # one Triton pass each on CUDA
 from mambaserve.ops.fp8_matmul import (
@@ -52,8 +52,18 @@ class MLP(nn.Module):
         """up_proj is FP8 of dynamic scales: x may come as `Fp8Rows`."""
         return is_dynamic_fp8(self.up_proj)
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    @property
+    def folds_residual(self) -> bool:
+        """`forward(x, residual)` is taken: down_proj is a plain projection without bias."""
+        return folds_residual(self.down_proj)
+
+    def forward(self, x: torch.Tensor | Fp8Rows,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(relu²(up(x))); `residual` (only where `folds_residual`): residual + that, added
+        by down's launch."""
         up, d = self.up_proj(x), self.down_proj
+        if residual is not None:
+            return residual_projection(d, relu2(up), residual)
         if is_plain_linear(d):  # relu² in down's launch for decode-sized batches
             return act_linear(up, "relu2", d.weight, d.bias)
         if is_dynamic_fp8(d):  # relu² in the quantization's launch
@@ -135,7 +145,17 @@ class GatedMLP(nn.Module):
         """The gate|up stack is FP8 of dynamic scales: x may come as `Fp8Rows`."""
         return self.gate_up_weight_scale is not None and self.gate_up_input_scale is None
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    @property
+    def folds_residual(self) -> bool:
+        """`forward(x, residual)` is taken: down_proj is a plain projection without bias, and no
+        multiplier is left unfolded."""
+        return folds_residual(self.down_proj) and self.gate_multiplier == 1.0 \
+            and self.down_multiplier == 1.0
+
+    def forward(self, x: torch.Tensor | Fp8Rows,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`residual` (only where `folds_residual`): residual + the output, added by down's
+        launch."""
         I = self.intermediate_size
         bias = None if self.gate_up_bias is None else self.gate_up_bias.view(2 * I)
         w = self.gate_up_weight.view(2 * I, -1)
@@ -145,6 +165,8 @@ class GatedMLP(nn.Module):
         else:
             gate_up = linear(x, w, bias)
         d = self.down_proj
+        if residual is not None:
+            return residual_projection(d, silu_mul(gate_up), residual)
         if self.gate_multiplier != 1.0:  # unfolded (tests): the torch expression
             gate, up = gate_up.split(I, dim=-1)
             out = d(F.silu(gate * self.gate_multiplier) * up)

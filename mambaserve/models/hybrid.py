@@ -23,7 +23,7 @@ from torch import nn
 from mambaserve.config import ModelConfig
 from mambaserve.layers.attention import Attention
 from mambaserve.layers.fp8_linear import takes_fp8_rows
-from mambaserve.layers.linear import Linear
+from mambaserve.layers.linear import Linear, folds_residual, residual_projection
 from mambaserve.layers.mamba2_mixer import Mamba2Mixer
 from mambaserve.layers.mlp import MLP, GatedMLP
 from mambaserve.layers.moe import MoE
@@ -32,6 +32,7 @@ from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.layers.stacked_linear import stacked_linear, summed_linear
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.model_layout import FFNKind, LayerSpec
+from mambaserve.ops.linear import residual_in_projections
 from mambaserve.ops.state_snapshot import restore_snapshots
 
 
@@ -106,6 +107,25 @@ class DecoderLayer(nn.Module):
                 self.mixer_out = both
                 self.mixer_out_split = [a.o_proj.in_features, m.out_proj.in_features]
                 a.o_proj = m.out_proj = None  # their columns live in mixer_out
+
+
+    def mixer_folds_residual(self, m: Multipliers) -> bool:
+        """The mixers' closing projection can add the residual stream (`_mixers(residual=)`):
+        the packed output projection, or a lone mixer's own, plain and without bias, with no
+        multiplier of the output left unfolded."""
+        if m.residual != 1.0:
+            return False
+        if self.mixer_out is not None:
+            return folds_residual(self.mixer_out)
+        if self.spec.mamba and not self.spec.attention:
+            return m.ssm_in == m.ssm_out == 1.0 and self.mamba.folds_residual
+        if self.spec.attention and not self.spec.mamba:
+            return m.attention_in == m.attention_out == 1.0 and self.self_attn.folds_residual
+        return False
+
+    def ffn_folds_residual(self, m: Multipliers) -> bool:
+        """The feed-forward's down projection can add the residual stream (not MoE)."""
+        return m.residual == 1.0 and getattr(self.feed_forward, "folds_residual", False)
 
 
 class HybridForCausalLM(nn.Module):
@@ -198,9 +218,12 @@ class HybridForCausalLM(nn.Module):
         return norm(pending, h, quantize=quantize)
 
     def _mixers(self, i: int, layer: DecoderLayer, x: torch.Tensor, meta: ForwardMetadata,
-                conv_state, ssm_state, kv_cache, rope) -> torch.Tensor:
+                conv_state, ssm_state, kv_cache, rope,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's mixer sub-block on its normed input x: Mamba's output, attention's, or
-        both added (the residual multiplier not applied)."""
+        both added (the residual multiplier not applied). `residual` (only where
+        `layer.mixer_folds_residual`): returns residual + that, added by the closing
+        projection."""
         spec, mult = layer.spec, self.multipliers
         zxbcdt = qkv = None
         if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
@@ -212,7 +235,15 @@ class HybridForCausalLM(nn.Module):
             n = self.mamba_index[i]
             layer.mamba(x, meta, conv_state[n], ssm_state[n], zxbcdt, into=into_m)
             layer.self_attn(x, meta, kv_cache[self.attention_index[i]], rope, qkv, into=into_a)
+            if residual is not None:
+                return residual_projection(layer.mixer_out, both, residual)
             return layer.mixer_out(both)
+        if residual is not None and spec.mamba:  # the lone mixers of mixer_folds_residual
+            return layer.mamba(x, meta, conv_state[self.mamba_index[i]],
+                               ssm_state[self.mamba_index[i]], zxbcdt, residual=residual)
+        if residual is not None:
+            return layer.self_attn(x, meta, kv_cache[self.attention_index[i]], rope, qkv,
+                                   residual=residual)
         out = None
         if spec.mamba:
             n = self.mamba_index[i]
@@ -244,6 +275,11 @@ class HybridForCausalLM(nn.Module):
         if cfg.residual_in_fp32:
             h = h.float()
         pending = None  # the last sub-block's output, not yet added to h
+        # prefill-sized steps: a sub-block whose closing projection can add h in its epilogue
+        # returns h + its output (`residual_in_projections`; h in the model dtype); the others
+        # leave the add to the next norm's pass
+        fold = residual_in_projections(h.shape[0], h.device) \
+            and h.dtype == self.embed_tokens.weight.dtype
         first_attn = next(iter(self.attention_index), None)  # its RoPE tables serve every layer
         rope = self.layers[first_attn].self_attn.rope_tables(meta) if first_attn is not None \
             else None
@@ -251,14 +287,23 @@ class HybridForCausalLM(nn.Module):
             spec = layer.spec
             if spec.has_mixer:
                 x, h = self._norm(layer.input_layernorm, h, pending, layer.fp8_mixer_input)
-                out = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope)
-                pending = out * mult.residual if mult.residual != 1.0 else out
+                if fold and layer.mixer_folds_residual(mult):
+                    h = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope, h)
+                    pending = None
+                else:
+                    out = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope)
+                    pending = out * mult.residual if mult.residual != 1.0 else out
             if spec.ffn is not FFNKind.NONE:
                 x, h = self._norm(layer.pre_ff_layernorm, h, pending, layer.fp8_ffn_input)
-                out = layer.feed_forward(x)
-                pending = out * mult.residual if mult.residual != 1.0 else out
+                if fold and layer.ffn_folds_residual(mult):
+                    h, pending = layer.feed_forward(x, h), None
+                else:
+                    out = layer.feed_forward(x)
+                    pending = out * mult.residual if mult.residual != 1.0 else out
         # only the rows whose logits are needed take the last add and the final norm
-        h = h.index_select(0, meta.logits_idx) + pending.index_select(0, meta.logits_idx)
+        h = h.index_select(0, meta.logits_idx)
+        if pending is not None:
+            h = h + pending.index_select(0, meta.logits_idx)
         logits = self.lm_head(self.final_layernorm(h).to(self.lm_head.weight.dtype))
         if mult.logits != 1.0:
             logits = logits * mult.logits

@@ -18,6 +18,7 @@ from mambaserve.layers.mlp import MLP
 from mambaserve.layers.moe import MoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.metadata import ForwardMetadata
+from mambaserve.ops.linear import residual_in_projections
 from mambaserve.ops.state_snapshot import restore_snapshots
 
 
@@ -38,6 +39,12 @@ class Block(nn.Module):
             self.mixer = MoE(cfg)
         # the norm writes FP8 rows for the mixer (`NemotronHForCausalLM.route_fp8_inputs`)
         self.fp8_input = False
+
+    @property
+    def folds_residual(self) -> bool:
+        """The mixer's closing projection adds the residual stream (`residual=`): Mamba,
+        attention and the MLP where that projection is plain, not MoE."""
+        return self.kind is not LayerKind.MOE and self.mixer.folds_residual
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -77,21 +84,32 @@ class NemotronHForCausalLM(nn.Module):
             restore_snapshots(conv_state, ssm_state, meta.prefill.restore_src,
                               meta.prefill.restore_dst)
         h = self.embeddings(meta.input_ids)  # the residual stream
+        # prefill-sized steps: a block whose closing projection can add h in its epilogue
+        # returns h + its output (`residual_in_projections`); the others leave the add to the
+        # next norm's pass
+        fold = residual_in_projections(h.shape[0], h.device)
         out = None  # the previous block's mixer output, not yet added to h
         for i, block in enumerate(self.layers):
             if out is None:
                 x = block.norm(h, quantize=block.fp8_input)
             else:  # h = h + out; x = norm(h), in one pass (the same rounding as two torch ops)
                 x, h = block.norm(out, h, quantize=block.fp8_input)
+            res = h if fold and block.folds_residual else None
             if block.kind is LayerKind.MAMBA:
                 n = self.mamba_index[i]
-                out = block.mixer(x, meta, conv_state[n], ssm_state[n])
+                out = block.mixer(x, meta, conv_state[n], ssm_state[n], residual=res)
             elif block.kind is LayerKind.ATTENTION:
-                out = block.mixer(x, meta, kv_cache[self.attention_index[i]])
+                out = block.mixer(x, meta, kv_cache[self.attention_index[i]], residual=res)
+            elif res is not None:
+                out = block.mixer(x, res)
             else:
                 out = block.mixer(x)
+            if res is not None:  # out is the new stream
+                h, out = out, None
         # only the rows whose logits are needed take the last add and the final norm
-        h = h.index_select(0, meta.logits_idx) + out.index_select(0, meta.logits_idx)
+        h = h.index_select(0, meta.logits_idx)
+        if out is not None:
+            h = h + out.index_select(0, meta.logits_idx)
         return self.lm_head(self.norm_f(h)).float()
 
 

@@ -8,6 +8,14 @@ where cuBLAS's GEMV kernels do not (docs/kernels.md, "Few-rows linear"); everyth
 `torch.nn.functional.linear` (cuBLAS on a GPU), which is also the reference the kernel is tested
 against. No path syncs or branches on tensor values.
 
+A residual stream's add in the projection's epilogue, for every row count:
+
+    linear_residual(x, weight, residual) -> residual + x W^T: on cuBLAS `residual.addmm_(x,
+        W^T)`, in place, the sum accumulated in float32 and rounded once (a block's
+        `h = h + proj(...)` without a pass of its own: the norm after it reads h only); on the
+        few-rows kernel its epilogue add into a new tensor (`linear(..., add=)`'s rounding).
+        Callers use the returned tensor and drop `residual`, which may have been overwritten.
+
 Three more forms for the same few rows (elsewhere the public ops they stand for):
 
     linear(x, weight, bias, add=t): linear(x, weight, bias) + t, added in the kernel's epilogue
@@ -29,6 +37,7 @@ import torch.nn.functional as F
 
 from mambaserve.ops.activation import relu2, silu_mul
 from mambaserve.ops.dispatch import kernel_path
+from mambaserve.ops.triton import tuning
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -44,6 +53,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y.view(*x.shape[:-1], N)
     y = F.linear(x, weight, bias)
     return y if add is None else y + add
+
+
+def residual_in_projections(rows: int, device: torch.device) -> bool:
+    """Whether a forward of `rows` token rows adds the residual stream in its blocks' closing
+    projections (`linear_residual`): the steps the few-rows kernel does not take (more rows than
+    tuning gemv.max_m), on every device. Decode-sized steps keep the add in the next norm's pass
+    (their projections' activation is fused into the launch, which has no addend)."""
+    return rows > tuning.config("gemv", device)["max_m"]
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x W^T (no bias), residual [..., N] in x.dtype; see the module docstring."""
+    N = weight.shape[0]
+    if residual.shape != (*x.shape[:-1], N) or residual.dtype != x.dtype:
+        raise ValueError(f"residual must be {(*x.shape[:-1], N)} in {x.dtype}, got "
+                         f"{tuple(residual.shape)} in {residual.dtype}")
+    if kernel_path("gemv", x.device, x=x, weight=weight) == "triton":
+        return linear(x, weight, None, add=residual)
+    r2 = residual.contiguous().view(-1, N)  # a view: addmm_ writes the caller's tensor
+    return r2.addmm_(_rows(x), weight.t()).view(residual.shape)
 
 
 def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -44,10 +44,10 @@ def test_every_scenario_is_sync_free(tiny_ckpt, caching):
 def test_an_injected_sync_is_caught_and_attributed(engine, monkeypatch):
     original = Mamba2Mixer.forward
 
-    def syncing_forward(self, x, meta, conv_state, ssm_state):
+    def syncing_forward(self, x, meta, conv_state, ssm_state, **kw):
         if x.abs().max() > 1e9:  # a data-dependent branch: reads a device value  # SYNC-HERE
             pass
-        return original(self, x, meta, conv_state, ssm_state)
+        return original(self, x, meta, conv_state, ssm_state, **kw)
 
     monkeypatch.setattr(Mamba2Mixer, "forward", syncing_forward)
     results = run_scenarios(engine)
@@ -80,8 +80,8 @@ def test_cli_audit_syncs_takes_the_engine_flags(tiny_ckpt, capsys):
 
 def test_cli_audit_syncs_fails_on_a_sync(tiny_ckpt, capsys, monkeypatch):
     original = Mamba2Mixer.forward
-    monkeypatch.setattr(Mamba2Mixer, "forward", lambda self, x, *a: (
-        original(self, x, *a) if x.sum().item() is not None else None))
+    monkeypatch.setattr(Mamba2Mixer, "forward", lambda self, x, *a, **kw: (
+        original(self, x, *a, **kw) if x.sum().item() is not None else None))
     # on the CPU: on a GPU the injected sync already stops the CUDA-graph capture at start-up
     assert main(["audit-syncs", "--model", str(tiny_ckpt), "--device", "cpu"]) == 1
     assert "FAIL" in capsys.readouterr().out
