@@ -142,7 +142,15 @@ class MoE(nn.Module):
         scale_(self.experts_down, out_scale)
         self.shared_experts.fold_scales(out_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def folds_residual(self) -> bool:
+        """`forward(x, residual)` is taken: one rank (the residual must enter the sum once) and a
+        shared expert whose down projection can add it."""
+        return self.tp.tp_size == 1 and self.shared_experts.folds_residual
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`residual` (only where `folds_residual`): residual + the output, the residual added
+        by the shared expert's down projection."""
         if self.swiglu:
             ids, weights = self.router(x)
             w_in, activation = self.experts_gate_up, "swiglu"
@@ -152,5 +160,6 @@ class MoE(nn.Module):
         # the routed sum rounded to the model dtype plus the shared expert's output (one pass on
         # the kernel path); sharded: both terms are this rank's partial sums, added before the
         # one all-reduce
+        shared = self.shared_experts(x) if residual is None else self.shared_experts(x, residual)
         return self.tp.all_reduce(moe_experts(x, w_in, self.experts_down, ids, weights,
-                                              activation, add=self.shared_experts(x)))
+                                              activation, add=shared))

@@ -124,7 +124,8 @@ class DecoderLayer(nn.Module):
         return False
 
     def ffn_folds_residual(self, m: Multipliers) -> bool:
-        """The feed-forward's down projection can add the residual stream (not MoE)."""
+        """The feed-forward's down projection (an MoE's shared expert's) can add the residual
+        stream."""
         return m.residual == 1.0 and getattr(self.feed_forward, "folds_residual", False)
 
 

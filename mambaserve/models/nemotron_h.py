@@ -42,9 +42,9 @@ class Block(nn.Module):
 
     @property
     def folds_residual(self) -> bool:
-        """The mixer's closing projection adds the residual stream (`residual=`): Mamba,
-        attention and the MLP where that projection is plain, not MoE."""
-        return self.kind is not LayerKind.MOE and self.mixer.folds_residual
+        """The mixer's closing projection adds the residual stream (`residual=`): Mamba's
+        out_proj, attention's o_proj, the MLP's down or the MoE shared expert's, where plain."""
+        return self.mixer.folds_residual
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -100,7 +100,7 @@ class NemotronHForCausalLM(nn.Module):
                 out = block.mixer(x, meta, conv_state[n], ssm_state[n], residual=res)
             elif block.kind is LayerKind.ATTENTION:
                 out = block.mixer(x, meta, kv_cache[self.attention_index[i]], residual=res)
-            elif res is not None:
+            elif res is not None:  # MLP, MoE
                 out = block.mixer(x, res)
             else:
                 out = block.mixer(x)

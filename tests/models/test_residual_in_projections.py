@@ -16,14 +16,15 @@ import mambaserve.models.nemotron_h as nemotron_h
 from mambaserve import LLM, SamplingParams
 
 CASES = [  # (architecture, maker overrides)
-    ("NemotronH", {}),  # Mamba, attention, relu² MLP (folded) and MoE blocks (not folded)
+    ("NemotronH", {}),  # Mamba, attention, relu² MLP and MoE blocks (the shared expert's down)
     ("FalconH1ForCausalLM", {}),  # both mixers in one packed output projection, SwiGLU
     ("GraniteMoeHybridForCausalLM", {"num_local_experts": 0}),  # dense: shared SwiGLU MLP
+    ("GraniteMoeHybridForCausalLM", {}),  # SwiGLU experts beside the shared expert
     ("Mamba2ForCausalLM", {}),  # Mamba only, residual in float32 (a float32 model here)
 ]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0])
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0] + ("-dense" if c[1] else ""))
 def checkpoint(request, tmp_path_factory, tiny_ckpt):
     arch, overrides = request.param
     if arch == "NemotronH":
