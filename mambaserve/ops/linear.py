@@ -11,10 +11,12 @@ against. No path syncs or branches on tensor values.
 A residual stream's add in the projection's epilogue, for every row count:
 
     linear_residual(x, weight, residual) -> residual + x W^T: on cuBLAS `residual.addmm_(x,
-        W^T)`, in place, the sum accumulated in float32 and rounded once (a block's
-        `h = h + proj(...)` without a pass of its own: the norm after it reads h only); on the
-        few-rows kernel its epilogue add into a new tensor (`linear(..., add=)`'s rounding).
-        Callers use the returned tensor and drop `residual`, which may have been overwritten.
+        W^T)`, in place, the residual added in the GEMM's epilogue (a block's `h = h + proj(...)`
+        without a pass of its own: the norm after it reads h only); on the few-rows kernel its
+        epilogue add into a new tensor (`linear(..., add=)`). The roundings are the library's:
+        the CPU rounds the float32 sum once, cuBLAS's bfloat16 epilogue stays within the bound
+        of the two torch ops (tests/ops/test_linear_residual.py). Callers use the returned
+        tensor and drop `residual`, which may have been overwritten.
 
 Three more forms for the same few rows (elsewhere the public ops they stand for):
 
