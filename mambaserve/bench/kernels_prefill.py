@@ -7,9 +7,9 @@ inter-chunk output) and causal paged attention (rows without a cached prefix; TF
 causal work, 4·H·D·L(L+1)/2 per row, with torch SDPA on dense tensors as the peer).
 
 x/B/C are split views of one xBC buffer, as in the mixer. The scan's row "triton, cold L2" runs
-it over several input copies in turn, so that its inputs are not L2-resident, as in a model. `--sweep` adds the launch-parameter
-variants below (through `tuning.override`) and, for the scan, the cumulative time of its first
-launches (`SsdScan.launches`).
+it over several input copies in turn, so that its inputs are not L2-resident, as in a model.
+`--sweep` adds the launch-parameter variants below (through `tuning.override`) and, for the
+scan, the cumulative time of its first launches (`SsdScan.launches`).
 """
 
 from __future__ import annotations
@@ -153,9 +153,7 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
         pm, T = meta.prefill, meta.num_prefill_tokens
         g = torch.Generator(device=dev).manual_seed(1)
         xbc = torch.randn(T, s.conv_dim, device=dev, dtype=dt_, generator=g)
-        x = xbc[:, :s.d_inner].view(T, H, P)
-        Bm = xbc[:, s.d_inner: s.d_inner + G * N].view(T, G, N)
-        Cm = xbc[:, s.d_inner + G * N:].view(T, G, N)
+        x, Bm, Cm = _scan_views(xbc, s)
         dt = torch.randn(T, H, device=dev, dtype=dt_, generator=g) - 1
         A = -torch.rand(H, device=dev, generator=g) * 2 - 0.05
         D = torch.randn(H, device=dev, generator=g)
@@ -227,6 +225,13 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
                   TFLOPs=flops / ms / 1e9, rel_err=rel(yp.reshape(T, H, P), yr))
 
 
+def _scan_views(xbc: torch.Tensor, s):
+    """x [T, H, P], B and C [T, G, N]: the split views of one xBC buffer, as in the mixer."""
+    d, gn = s.d_inner, s.G * s.N
+    return (xbc[:, :d].view(-1, s.H, s.P), xbc[:, d: d + gn].view(-1, s.G, s.N),
+            xbc[:, d + gn:].view(-1, s.G, s.N))
+
+
 def _ssd_cold(h: Harness, shape: str, flops: int, xbc, dt, consts, ssm, args, s) -> None:
     """The row "triton, cold L2": the scan over enough copies of its inputs, run in turn in one
     graph, that each scan finds its x / B / C evicted from the L2 by the others', as in a model,
@@ -240,15 +245,11 @@ def _ssd_cold(h: Harness, shape: str, flops: int, xbc, dt, consts, ssm, args, s)
     l2 = torch.cuda.get_device_properties(h.device).L2_cache_size
     per_scan = xbc.numel() * xbc.element_size() * 2  # x / B / C read, y written
     copies = min(16, max(2, -(-4 * l2 // per_scan)))
-    H, P, G, N = s.H, s.P, s.G, s.N
+    A, D, dt_bias, lim = consts
     scans = []
     for _ in range(copies):
-        xb, dtc = xbc.clone(), dt.clone()
-        x = xb[:, :s.d_inner].view(-1, H, P)
-        Bm = xb[:, s.d_inner: s.d_inner + G * N].view(-1, G, N)
-        Cm = xb[:, s.d_inner + G * N:].view(-1, G, N)
-        A, D, dt_bias, lim = consts
-        scans.append(SsdScan(x, dtc, A, Bm, Cm, D, dt_bias, lim, ssm.clone(), *args, None))
+        x, Bm, Cm = _scan_views(xbc.clone(), s)
+        scans.append(SsdScan(x, dt.clone(), A, Bm, Cm, D, dt_bias, lim, ssm.clone(), *args, None))
     us = h.device_us(lambda: [launch() for scan in scans for _, launch in scan.launches])
     h.row(op="ssd_scan", impl="triton, cold L2", shape=shape, copies=copies,
           TFLOPs=flops * copies / us / 1e6, device_us=us / copies)

@@ -108,7 +108,6 @@ class DecoderLayer(nn.Module):
                 self.mixer_out_split = [a.o_proj.in_features, m.out_proj.in_features]
                 a.o_proj = m.out_proj = None  # their columns live in mixer_out
 
-
     def mixer_folds_residual(self, m: Multipliers) -> bool:
         """The mixers' closing projection can add the residual stream (`_mixers(residual=)`):
         the packed output projection, or a lone mixer's own, plain and without bias, with no
@@ -240,8 +239,8 @@ class HybridForCausalLM(nn.Module):
                 return residual_projection(layer.mixer_out, both, residual)
             return layer.mixer_out(both)
         if residual is not None and spec.mamba:  # the lone mixers of mixer_folds_residual
-            return layer.mamba(x, meta, conv_state[self.mamba_index[i]],
-                               ssm_state[self.mamba_index[i]], zxbcdt, residual=residual)
+            n = self.mamba_index[i]
+            return layer.mamba(x, meta, conv_state[n], ssm_state[n], zxbcdt, residual=residual)
         if residual is not None:
             return layer.self_attn(x, meta, kv_cache[self.attention_index[i]], rope, qkv,
                                    residual=residual)
