@@ -45,6 +45,21 @@ SSD_SCAN_SWEEP = [(64, 128, 32, 4, 3), (64, 128, 64, 4, 2), (32, 128, 32, 4, 2),
                   (32, 128, 32, 2, 2), (64, 128, 32, 4, 1),
                   (64, 64, 16, 4, 3), (64, 32, 16, 4, 3), (64, 16, 16, 4, 3),
                   (128, 64, 16, 4, 3), (128, 32, 16, 8, 3), (32, 64, 16, 4, 3)]
+# a head_dim that is not a power of two (the 9B's 80): launch S with the rows past its 64-row tile
+# in a second tile of the same program (sharing each chunk's B tile and weights) rather than in a
+# second program; launch C's two tiles in one program (the default) against one tile padded to
+# the next power of two, and other shapes of the split program
+_SPLIT_RULE = {"block_p_scan": None, "block_p2_scan": None}  # ssd._split_p: 80 -> 64 + 16
+SSD_SPLIT_SWEEP = [
+    ("state 64+16 w8", {"block_p2_state": 16, "num_warps_state": 8}),
+    ("state 64+16 w4", {"block_p2_state": 16, "num_warps_state": 4}),
+    ("state 64+16 bn64 w4", {"block_p2_state": 16, "block_n_state": 64, "num_warps_state": 4}),
+    ("scan one P tile", {"block_p_scan": None, "block_p2_scan": 0}),
+    ("scan split", _SPLIT_RULE),
+    ("scan split m128 w8", {**_SPLIT_RULE, "block_m_scan": 128, "num_warps_scan": 8}),
+    ("scan split w8", {**_SPLIT_RULE, "num_warps_scan": 8}),
+    ("scan split k32", {**_SPLIT_RULE, "block_k_scan": 32}),
+]
 # tiled attention variants: (name, knobs); the table has 128-row tiles, BLOCK_N from the page
 ATTN_SWEEP = [("triton tiled m64", {"block_m": 64}), ("triton tiled n128", {"block_n": 128}),
               ("triton tiled 8w", {"num_warps": 8})]
@@ -190,6 +205,8 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
                           {"block_m_scan": bm, "block_p_scan": bp, "block_k_scan": bk,
                            "num_warps_scan": nw, "num_stages_scan": ns}, 4)
                          for bm, bp, bk, nw, ns in SSD_SCAN_SWEEP]
+            if s.P & (s.P - 1):  # the split variants apply to such a head_dim only
+                variants += [(name, knobs, 4) for name, knobs in SSD_SPLIT_SWEEP]
             variants += [("dt + state", {}, 2), ("dt + state + CB", {}, 3)]
         for name, knobs, n in variants:
             try:

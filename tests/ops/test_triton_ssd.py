@@ -18,7 +18,8 @@ from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import build_metadata
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen_ref
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton.ssd import _chunk_scan_kernel, ssd_chunk_scan_varlen_triton
+from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
+from mambaserve.ops.triton.ssd_kernels import _chunk_scan_kernel
 
 require_interpreter(_chunk_scan_kernel)
 
@@ -164,6 +165,10 @@ KNOBS = {
                        "block_n_scan": 16, "block_k_cb": 16, "block_p_state": 16},
     "wide_p": {"block_p_scan": 64, "block_p_state": 32, "block_l_state": 32, "num_warps_scan": 2,
                "num_stages_scan": 2},
+    # head_dim 40 as two tiles of one program in S and C (32 + 16), token blocks in S
+    "split_p": {"block_p_state": 32, "block_p2_state": 16, "block_l_state": 16,
+                "block_p_scan": 32, "block_p2_scan": 16, "block_m_scan": 16},
+    "one_p_tile": {"block_p_scan": 64, "block_p2_scan": 0},
 }
 # chunk 32: short first chunks (prefix ends mid-chunk) shorter than a 16-row tile, a row inside one
 # chunk, rows of several chunks with and without initial state, a negative slot
@@ -208,6 +213,26 @@ def test_ssd_fp16_knobs_chunk64():
     _close(got, ref, st0, 2e-2)
 
 
+def test_split_p_rule():
+    """Launch C's default column tiles: one power-of-two tile, or two in one program where that
+    pads less (the 9B's head_dim 80 = 64 + 16, not 128)."""
+    from mambaserve.ops.triton.ssd import _split_p
+
+    assert _split_p(80) == (64, 16) and _split_p(40) == (32, 16) and _split_p(96) == (64, 32)
+    assert _split_p(64) == (64, 0) and _split_p(8) == (16, 0) and _split_p(24) == (32, 0)
+    assert _split_p(112) == (128, 0) and _split_p(200) == (128, 0)
+
+
+@pytest.mark.parametrize("knobs", [{"block_p_state": 32, "block_p2_state": 4},
+                                   {"block_p_scan": 16, "block_p2_scan": 16},
+                                   {"block_p_scan": 64, "block_p2_scan": 16}],
+                         ids=["too_small", "short", "first_covers"])
+def test_ssd_bad_split_rejected(knobs):
+    with pytest.raises(AssertionError, match="block_p"):
+        _run([(20, 0, 0, False)], H=2, P=40, N=8, G=1, chunk_size=16, dtype=torch.float32,
+             **knobs)
+
+
 def test_ssd_bad_block_rejected():
     with pytest.raises(AssertionError, match="block_m_scan"):
         _run([(20, 0, 0, False)], H=2, P=8, N=8, G=1, chunk_size=16, dtype=torch.float32,
@@ -245,6 +270,8 @@ GPU_KNOBS = {
     "gather": {"contiguous_chunks": False},
     "m128_p64_w8": {"block_m_scan": 128, "block_p_scan": 64, "num_warps_scan": 8,
                     "num_stages_scan": 1},
+    "one_p_tile": {"block_p_scan": 128, "block_p2_scan": 0},
+    "state_split_w8": {"block_p2_state": 16, "num_warps_state": 8},
 }
 
 
@@ -282,7 +309,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-from mambaserve.ops.triton.ssd import _chunk_state_passing_kernel as k
+from mambaserve.ops.triton.ssd_kernels import _chunk_state_passing_kernel as k
 ptrs = {"x_ptr": "*bf16", "B_ptr": "*bf16", "cti_ptr": "*i64", "dtc_ptr": "*fp32",
         "cum_ptr": "*fp32", "clen_ptr": "*i32", "st_ptr": "*bf16", "src_ptr": "*i64",
         "ssm_ptr": "*fp32", "slot_ptr": "*i32", "init_ptr": "*i1", "row_chunks_ptr": "*i64",
@@ -292,7 +319,8 @@ div = ("x_t", "x_h", "B_t", "B_g", "cti_c", "s_slot", "s_h", "s_p", "H", "P", "N
        "heads_per_group")
 report = {}
 for snaps in (0, 1):
-    const = {"L": 128, "BLOCK_P": 64, "BLOCK_N": 128, "BLOCK_L": 128, "IP": "tf32", "CONTIG": 1,
+    const = {"L": 128, "BLOCK_P": 64, "BLOCK_P2": 0, "BLOCK_N": 128, "BLOCK_L": 128, "IP": "tf32",
+             "CONTIG": 1,
              "SNAPS": snaps, "x_p": 1, "B_n": 1, "s_n": 1}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)

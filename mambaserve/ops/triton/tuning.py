@@ -56,13 +56,18 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # SSD chunked scan, per launch (0: dt, S: state passing, CB, C: scan); block sizes are powers
     # of two >= 16. None: block_h_dt min(32, pow2(H)); block_n_state, block_k_cb, block_n_scan
     # min(128, max(16, pow2(N))); block_l_state L; block_cb and block_m_scan min(L, 64);
-    # block_p_scan min(128, max(16, pow2(P)))
+    # block_p_scan and block_p2_scan both None: launch C's column tiles from head_dim P
+    # (ssd._split_p: one tile of min(128, max(16, pow2(P))), or where it pads less two tiles of
+    # one program, 80 -> 64 + 16); one of them set: block_p_scan as set or that one tile,
+    # block_p2_scan as set or 0. block_p2_state / block_p2_scan > 0: a second tile of that many
+    # rows / columns in the same program, past the first (it must reach P); 0: none
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
-        "block_p_state": 64, "block_n_state": None, "block_l_state": None,
+        "block_p_state": 64, "block_p2_state": 0, "block_n_state": None, "block_l_state": None,
         "num_warps_state": 4, "num_stages_state": 1,
         "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
-        "block_m_scan": None, "block_p_scan": None, "block_k_scan": 16, "block_n_scan": None,
+        "block_m_scan": None, "block_p_scan": None, "block_p2_scan": 0, "block_k_scan": 16,
+        "block_n_scan": None,
         "num_warps_scan": 4, "num_stages_scan": 3,
     }),
     # per-token paged attention (decode tokens): None = block_n max(16, min(64, 4096 // BLOCK_D));
