@@ -169,6 +169,9 @@ KNOBS = {
     "split_p": {"block_p_state": 32, "block_p2_state": 16, "block_l_state": 16,
                 "block_p_scan": 32, "block_p2_scan": 16, "block_m_scan": 16},
     "one_p_tile": {"block_p_scan": 64, "block_p2_scan": 0},
+    # launch S loading the next chunk's tiles before this chunk's dot, with and without the split
+    "prefetch": {"prefetch_state": True},
+    "prefetch_split": {"prefetch_state": True, "block_p_state": 32, "block_p2_state": 16},
 }
 # chunk 32: short first chunks (prefix ends mid-chunk) shorter than a 16-row tile, a row inside one
 # chunk, rows of several chunks with and without initial state, a negative slot
@@ -272,6 +275,7 @@ GPU_KNOBS = {
                     "num_stages_scan": 1},
     "one_p_tile": {"block_p_scan": 128, "block_p2_scan": 0},
     "state_split_w8": {"block_p2_state": 16, "num_warps_state": 8},
+    "state_prefetch_split_w8": {"block_p2_state": 16, "num_warps_state": 8, "prefetch_state": True},
 }
 
 
@@ -320,6 +324,7 @@ div = ("x_t", "x_h", "B_t", "B_g", "cti_c", "s_slot", "s_h", "s_p", "H", "P", "N
 report = {}
 for snaps in (0, 1):
     const = {"L": 128, "BLOCK_P": 64, "BLOCK_P2": 0, "BLOCK_N": 128, "BLOCK_L": 128, "IP": "tf32",
+             "PREFETCH": 0,
              "CONTIG": 1,
              "SNAPS": snaps, "x_p": 1, "B_n": 1, "s_n": 1}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}

@@ -95,6 +95,7 @@ class SsdScan:
         self.bns = k["block_n_state"] or _pow2_at_most(N, 128)
         self.bls = k["block_l_state"] or L
         self.warps_state, self.stages_state = k["num_warps_state"], k["num_stages_state"]
+        self.prefetch_state = bool(k["prefetch_state"]) and self.contig and self.bls == L
         self.bcb = k["block_cb"] or min(L, 64)
         self.bkcb = k["block_k_cb"] or _pow2_at_most(N, 128)
         self.warps_cb = k["num_warps_cb"]
@@ -177,6 +178,7 @@ class SsdScan:
             L=self.L, BLOCK_P=self.bps, BLOCK_P2=self.bps2, BLOCK_N=self.bns, BLOCK_L=self.bls,
             IP=self.ip,
             CONTIG=self.contig, SNAPS=self.chunk_snap_dst is not None,
+            PREFETCH=self.prefetch_state,
             num_warps=self.warps_state, num_stages=self.stages_state,
         )
 

@@ -81,6 +81,23 @@ def _weighted_x(x_ptr, t0, h, rows, ml, w, offs_p, mp, x_t, x_h, x_p):
     return (x.to(tl.float32) * w[None, :]).to(x_ptr.dtype.element_ty)
 
 
+@triton.jit
+def _chunk_tile(ptr, t0, clen, col, offs_c, mc, t_stride, c_stride, L: tl.constexpr,
+                ROWS_FIRST: tl.constexpr):
+    """A whole chunk's tile as stored (contiguous chunks; positions past clen read 0): x as
+    [columns, L] (ROWS_FIRST False) or B as [L, columns]; loaded a chunk ahead (PREFETCH)."""
+    offs_l = tl.arange(0, L)
+    ml = offs_l < clen
+    rows = tl.minimum(offs_l, tl.maximum(clen - 1, 0))
+    base = ptr + t0 * t_stride + col
+    if ROWS_FIRST:
+        return tl.load(base + rows[:, None] * t_stride + offs_c[None, :] * c_stride,
+                       mask=ml[:, None] & mc[None, :], other=0.0)
+    else:
+        return tl.load(base + rows[None, :] * t_stride + offs_c[:, None] * c_stride,
+                       mask=mc[:, None] & ml[None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=["num_chunks", "rc_r"])
 def _chunk_state_passing_kernel(
     x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, st_ptr, src_ptr,
@@ -89,6 +106,7 @@ def _chunk_state_passing_kernel(
     x_t, x_h, x_p, B_t, B_g, B_n, cti_c, s_slot, s_h, s_p, s_n, rc_r,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr, SNAPS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Launch S (docs/kernels.md): walks one row's chunks in order for a [BLOCK_P, BLOCK_N]
     tile of one head's state, S = S_prev * exp(cum[L-1]) + (x ∘ dt ∘ exp(cum[L-1] - cum))ᵀ · B,
@@ -96,7 +114,9 @@ def _chunk_state_passing_kernel(
     buffer's dtype (x's: the output launch's dot operand), and in the pool's dtype into the
     snapshot slot of a chunk that has one (SNAPS: snap_ptr holds each chunk's slot or -1).
     BLOCK_P2 > 0: a second tile of rows [BLOCK_P, BLOCK_P + BLOCK_P2) in the same program (a
-    head_dim that is not a power of two), sharing each chunk's B tile and weights."""
+    head_dim that is not a power of two), sharing each chunk's B tile and weights.
+    PREFETCH (contiguous chunks, BLOCK_L = L): the next chunk's x and B tiles are loaded before
+    this chunk's dot (and the ids of the chunk after it), so their latency overlaps its work."""
     num_nb = tl.cdiv(N, BLOCK_N)
     pb = tl.program_id(0) // num_nb
     nb = tl.program_id(0) % num_nb
@@ -137,13 +157,38 @@ def _chunk_state_passing_kernel(
     cid = tl.load(row_chunks_ptr + r * rc_r).to(tl.int64)
     t0 = tl.load(cti_ptr + cid * cti_c)
     clen = tl.load(clen_ptr + cid)
+    cdt = x_ptr.dtype.element_ty
+    if PREFETCH:  # this chunk's tiles, and the next chunk's id, first token and length
+        xr = _chunk_tile(x_ptr, t0, clen, h * x_h, offs_p, mp, x_t, x_p, L, False)
+        if BLOCK_P2 > 0:
+            xr2 = _chunk_tile(x_ptr, t0, clen, h * x_h, offs_p2, mp2, x_t, x_p, L, False)
+        Br = _chunk_tile(B_ptr, t0, clen, g * B_g, offs_n, mn, B_t, B_n, L, True)
+        more = 1 < nck
+        cid_n = tl.load(row_chunks_ptr + r * rc_r + 1, mask=more, other=0).to(tl.int64)
+        t0_n = tl.load(cti_ptr + cid_n * cti_c, mask=more, other=0)
+        clen_n = tl.load(clen_ptr + cid_n, mask=more, other=0)
     for i in range(nck):
         tl.store(src_ptr + cid, prev, mask=writer)
         ch = (cid * H + h) * L
         cum_last = tl.load(cum_ptr + ch + L - 1)
         if SNAPS:  # the chunk's snapshot slot, loaded before the dot hides its latency
             dst = tl.load(snap_ptr + cid)
-        if BLOCK_L == L:  # the whole chunk in one dot, no loop
+        if PREFETCH:  # the next chunk's tiles (none past the row: clen_n = 0), then this dot
+            xn = _chunk_tile(x_ptr, t0_n, clen_n, h * x_h, offs_p, mp, x_t, x_p, L, False)
+            if BLOCK_P2 > 0:
+                xn2 = _chunk_tile(x_ptr, t0_n, clen_n, h * x_h, offs_p2, mp2, x_t, x_p, L, False)
+            Bn = _chunk_tile(B_ptr, t0_n, clen_n, g * B_g, offs_n, mn, B_t, B_n, L, True)
+            more2 = i + 2 < nck
+            cid_nn = tl.load(row_chunks_ptr + r * rc_r + i + 2, mask=more2, other=0).to(tl.int64)
+            t0_nn = tl.load(cti_ptr + cid_nn * cti_c, mask=more2, other=0)
+            clen_nn = tl.load(clen_ptr + cid_nn, mask=more2, other=0)
+            offs_l = tl.arange(0, L)
+            w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
+            Bm = Br.to(cdt)
+            loc = tl.dot((xr.to(tl.float32) * w[None, :]).to(cdt), Bm, input_precision=IP)
+            if BLOCK_P2 > 0:
+                loc2 = tl.dot((xr2.to(tl.float32) * w[None, :]).to(cdt), Bm, input_precision=IP)
+        elif BLOCK_L == L:  # the whole chunk in one dot, no loop
             xw, Bm, rows, ml, w = _chunk_state_operands(
                 x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0, clen, ch, cum_last, h, g, 0,
                 offs_p, offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c, L, CONTIG)
@@ -164,10 +209,17 @@ def _chunk_state_passing_kernel(
                 if BLOCK_P2 > 0:
                     loc2 = tl.dot(_weighted_x(x_ptr, t0, h, rows, ml, w, offs_p2, mp2, x_t, x_h,
                                               x_p), Bm, acc=loc2, input_precision=IP)
-        more = i + 1 < nck
-        nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
-        t0_n = tl.load(cti_ptr + nxt * cti_c, mask=more, other=0)
-        clen_n = tl.load(clen_ptr + nxt, mask=more, other=0)
+        if PREFETCH:  # the next chunk's ids were loaded an iteration ago
+            nxt, t0_next, clen_next = cid_n, t0_n, clen_n
+            cid_n, t0_n, clen_n = cid_nn, t0_nn, clen_nn
+            xr, Br = xn, Bn
+            if BLOCK_P2 > 0:
+                xr2 = xn2
+        else:
+            more = i + 1 < nck
+            nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
+            t0_next = tl.load(cti_ptr + nxt * cti_c, mask=more, other=0)
+            clen_next = tl.load(clen_ptr + nxt, mask=more, other=0)
         running = running * tl.exp(cum_last) + loc
         tl.store(st_ptr + (cid * H + h) * PN + st_off, running.to(st_dt), mask=mpn)
         if BLOCK_P2 > 0:
@@ -182,8 +234,8 @@ def _chunk_state_passing_kernel(
                              running2.to(ssm_ptr.dtype.element_ty), mask=mpn2)
         prev = cid
         cid = nxt
-        t0 = t0_n
-        clen = clen_n
+        t0 = t0_next
+        clen = clen_next
     tl.store(s_base + s_off, running.to(ssm_ptr.dtype.element_ty), mask=mpn & valid)
     if BLOCK_P2 > 0:
         tl.store(s_base + s_off2, running2.to(ssm_ptr.dtype.element_ty), mask=mpn2 & valid)

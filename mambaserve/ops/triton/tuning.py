@@ -60,11 +60,13 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # (ssd._split_p: one tile of min(128, max(16, pow2(P))), or where it pads less two tiles of
     # one program, 80 -> 64 + 16); one of them set: block_p_scan as set or that one tile,
     # block_p2_scan as set or 0. block_p2_state / block_p2_scan > 0: a second tile of that many
-    # rows / columns in the same program, past the first (it must reach P); 0: none
+    # rows / columns in the same program, past the first (it must reach P); 0: none.
+    # prefetch_state: launch S loads the next chunk's tiles before this chunk's dot (contiguous
+    # chunks with block_l_state = L; otherwise ignored)
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
         "block_p_state": 64, "block_p2_state": 0, "block_n_state": None, "block_l_state": None,
-        "num_warps_state": 4, "num_stages_state": 1,
+        "num_warps_state": 4, "num_stages_state": 1, "prefetch_state": False,
         "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
         "block_m_scan": None, "block_p_scan": None, "block_p2_scan": 0, "block_k_scan": 16,
         "block_n_scan": None,
