@@ -25,11 +25,12 @@ from mambaserve.ops.triton import tuning
 # (block_t, block_d, num_warps, lookahead) of the conv launch; the table has 16, 512, 4, 4
 CONV_SWEEP = [(16, 512, 4, 0), (16, 512, 4, 2), (8, 512, 4, 4), (32, 512, 4, 4), (16, 256, 2, 4),
               (16, 1024, 8, 4)]
-# launch S: (block_p_state, block_n_state, num_warps_state[, block_l_state, num_stages_state]);
-# the smaller blocks give one sequence's scan (a grid of heads x blocks, 128 programs at the 9B's
-# default) more programs; P blocks of 16 divide the 9B's head_dim of 80 (64 leaves a second
-# block 3/4 empty); token blocks below the chunk (block_l) loop over the chunk in smaller dots,
-# which num_stages > 1 lets the compiler pipeline (the next block's loads under this one's dot)
+# launch S: (block_p_state, block_n_state, num_warps_state[, block_l_state, num_stages_state]),
+# one row tile per program and no prefetch (the layout before the split default, below);
+# the smaller blocks give one sequence's scan (a grid of heads x blocks) more programs; P blocks
+# of 16 divide the 9B's head_dim of 80 (64 leaves a second block 3/4 empty); token blocks below
+# the chunk (block_l) loop over the chunk in smaller dots, which num_stages > 1 lets the compiler
+# pipeline (the next block's loads under this one's dot)
 SSD_STATE_SWEEP = [(64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 32, 4),
                    (32, 64, 4), (32, 128, 4), (16, 128, 4), (16, 64, 4), (32, 128, 8),
                    (32, 128, 2), (16, 128, 2),
@@ -45,20 +46,18 @@ SSD_SCAN_SWEEP = [(64, 128, 32, 4, 3), (64, 128, 64, 4, 2), (32, 128, 32, 4, 2),
                   (32, 128, 32, 2, 2), (64, 128, 32, 4, 1),
                   (64, 64, 16, 4, 3), (64, 32, 16, 4, 3), (64, 16, 16, 4, 3),
                   (128, 64, 16, 4, 3), (128, 32, 16, 8, 3), (32, 64, 16, 4, 3)]
-# a head_dim that is not a power of two (the 9B's 80): launch S with the rows past its 64-row tile
-# in a second tile of the same program (sharing each chunk's B tile and weights) rather than in a
-# second program; launch C's two tiles in one program (the default) against one tile padded to
-# the next power of two, and other shapes of the split program
-_SPLIT_RULE = {"block_p_scan": None, "block_p2_scan": None}  # ssd._split_p: 80 -> 64 + 16
+# a head_dim that is not a power of two (the 9B's 80): the defaults run launch S with the rows
+# past its 64-row tile as a second tile of the same program (64-wide N tiles, the next chunk's
+# tiles loaded ahead) and launch C with two column tiles in one program (64 + 16, 32-token source
+# blocks); these variants undo one choice at a time
 SSD_SPLIT_SWEEP = [
-    ("state 64+16 w8", {"block_p2_state": 16, "num_warps_state": 8}),
-    ("state 64+16 w4", {"block_p2_state": 16, "num_warps_state": 4}),
-    ("state 64+16 bn64 w4", {"block_p2_state": 16, "block_n_state": 64, "num_warps_state": 4}),
-    ("scan one P tile", {"block_p_scan": None, "block_p2_scan": 0}),
-    ("scan split", _SPLIT_RULE),
-    ("scan split m128 w8", {**_SPLIT_RULE, "block_m_scan": 128, "num_warps_scan": 8}),
-    ("scan split w8", {**_SPLIT_RULE, "num_warps_scan": 8}),
-    ("scan split k32", {**_SPLIT_RULE, "block_k_scan": 32}),
+    ("state second program", {"block_p2_state": 0, "block_n_state": None,
+                              "prefetch_state": None}),
+    ("state split no prefetch", {"prefetch_state": False}),
+    ("state split bn128 w8", {"block_n_state": 128, "num_warps_state": 8}),
+    ("scan one P tile", {"block_p2_scan": 0}),
+    ("scan split k16", {"block_k_scan": 16}),
+    ("scan split m128 w8", {"block_m_scan": 128, "num_warps_scan": 8}),
 ]
 # tiled attention variants: (name, knobs); the table has 128-row tiles, BLOCK_N from the page
 ATTN_SWEEP = [("triton tiled m64", {"block_m": 64}), ("triton tiled n128", {"block_n": 128}),
@@ -200,7 +199,8 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
                 variants.append((f"state bp{bp} bn{bn} w{nw}" + (f" l{bl} s{ns}" if rest else ""),
                                  {"block_p_state": bp, "block_n_state": bn,
                                   "num_warps_state": nw, "block_l_state": bl,
-                                  "num_stages_state": ns}, 4))
+                                  "num_stages_state": ns, "block_p2_state": 0,
+                                  "prefetch_state": False}, 4))
             variants += [(f"scan m{bm} bp{bp} k{bk} w{nw} s{ns}",
                           {"block_m_scan": bm, "block_p_scan": bp, "block_k_scan": bk,
                            "num_warps_scan": nw, "num_stages_scan": ns}, 4)

@@ -40,6 +40,16 @@ def _split_p(P: int, hi: int = 128) -> tuple[int, int]:
     return (lo, rest) if lo + rest < one else (one, 0)
 
 
+def _second_rows(P: int, block_p: int) -> int:
+    """Launch S's second row tile for head_dim P past a first of block_p rows: the rest rounded
+    up to a power of two where that is smaller than a second program's block_p rows (80 past 64:
+    16), else 0 (P <= block_p, or a second program as wide)."""
+    if P <= block_p:
+        return 0
+    rest = _pow2_at_most(P - block_p, block_p)
+    return rest if rest < block_p and block_p + rest >= P else 0
+
+
 def _check_block(name: str, v: int, hi: int | None = None):
     assert v >= 16 and v & (v - 1) == 0, f"{name} must be a power of two >= 16, got {v}"
     assert hi is None or v <= hi, f"{name} must be <= {hi}, got {v}"
@@ -91,11 +101,16 @@ class SsdScan:
         self.bh = k["block_h_dt"] or min(32, triton.next_power_of_2(H))
         self.warps_dt = k["num_warps_dt"]
         self.bps = k["block_p_state"]
-        self.bps2 = k["block_p2_state"] or 0
-        self.bns = k["block_n_state"] or _pow2_at_most(N, 128)
+        self.bps2 = (_second_rows(P, self.bps) if k["block_p2_state"] is None
+                     else k["block_p2_state"])
+        # a split program (more rows per tile) takes 64-wide N tiles (twice the programs) and
+        # loads the next chunk's tiles ahead (docs/kernels.md, run 19)
+        self.bns = k["block_n_state"] or (min(64, _pow2_at_most(N, 128)) if self.bps2
+                                          else _pow2_at_most(N, 128))
         self.bls = k["block_l_state"] or L
         self.warps_state, self.stages_state = k["num_warps_state"], k["num_stages_state"]
-        self.prefetch_state = bool(k["prefetch_state"]) and self.contig and self.bls == L
+        prefetch = self.bps2 > 0 if k["prefetch_state"] is None else k["prefetch_state"]
+        self.prefetch_state = bool(prefetch) and self.contig and self.bls == L
         self.bcb = k["block_cb"] or min(L, 64)
         self.bkcb = k["block_k_cb"] or _pow2_at_most(N, 128)
         self.warps_cb = k["num_warps_cb"]
@@ -105,7 +120,7 @@ class SsdScan:
         else:
             self.bpc = k["block_p_scan"] or _pow2_at_most(P, 128)
             self.bpc2 = k["block_p2_scan"] or 0
-        self.bk = k["block_k_scan"]
+        self.bk = k["block_k_scan"] or (min(32, L) if self.bpc2 else 16)  # split: 32 (run 19)
         self.bnc = k["block_n_scan"] or _pow2_at_most(N, 128)
         self.warps_scan, self.stages_scan = k["num_warps_scan"], k["num_stages_scan"]
         for name, v, hi in (("block_p_state", self.bps, None), ("block_n_state", self.bns, None),

@@ -54,21 +54,26 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # block_p * pow2(N) >= 2048, else 2
     "selective_state_update": MappingProxyType({"block_p": None, "num_warps": None}),
     # SSD chunked scan, per launch (0: dt, S: state passing, CB, C: scan); block sizes are powers
-    # of two >= 16. None: block_h_dt min(32, pow2(H)); block_n_state, block_k_cb, block_n_scan
-    # min(128, max(16, pow2(N))); block_l_state L; block_cb and block_m_scan min(L, 64);
-    # block_p_scan and block_p2_scan both None: launch C's column tiles from head_dim P
-    # (ssd._split_p: one tile of min(128, max(16, pow2(P))), or where it pads less two tiles of
-    # one program, 80 -> 64 + 16); one of them set: block_p_scan as set or that one tile,
-    # block_p2_scan as set or 0. block_p2_state / block_p2_scan > 0: a second tile of that many
-    # rows / columns in the same program, past the first (it must reach P); 0: none.
-    # prefetch_state: launch S loads the next chunk's tiles before this chunk's dot (contiguous
-    # chunks with block_l_state = L; otherwise ignored)
+    # of two >= 16; the rules below were timed at the 9B's head_dim 80 (docs/kernels.md, run 19).
+    # None: block_h_dt min(32, pow2(H)); block_k_cb, block_n_scan min(128, max(16, pow2(N)));
+    # block_l_state L; block_cb and block_m_scan min(L, 64).
+    # Launch S: block_p2_state None = ssd._second_rows (80 past 64 rows: a second tile of 16 in
+    # the same program, not a second program; 0 for a power-of-two head_dim); with a second tile
+    # block_n_state None = 64 and prefetch_state None = True (the next chunk's tiles loaded before
+    # this chunk's dot; contiguous chunks with block_l_state = L only), else block_n_state
+    # min(128, max(16, pow2(N))) and no prefetch.
+    # Launch C: block_p_scan and block_p2_scan both None = ssd._split_p (one tile of
+    # min(128, max(16, pow2(P))), or where it pads less two tiles of one program, 80 -> 64 + 16);
+    # one of them set: block_p_scan as set or that one tile, block_p2_scan as set or 0;
+    # block_k_scan None = min(32, L) with two tiles, else 16.
+    # block_p2_state / block_p2_scan > 0: a second tile of that many rows / columns in the same
+    # program, past the first (the two must reach P); 0: none.
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
-        "block_p_state": 64, "block_p2_state": 0, "block_n_state": None, "block_l_state": None,
-        "num_warps_state": 4, "num_stages_state": 1, "prefetch_state": False,
+        "block_p_state": 64, "block_p2_state": None, "block_n_state": None, "block_l_state": None,
+        "num_warps_state": 4, "num_stages_state": 1, "prefetch_state": None,
         "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
-        "block_m_scan": None, "block_p_scan": None, "block_p2_scan": 0, "block_k_scan": 16,
+        "block_m_scan": None, "block_p_scan": None, "block_p2_scan": None, "block_k_scan": None,
         "block_n_scan": None,
         "num_warps_scan": 4, "num_stages_scan": 3,
     }),
