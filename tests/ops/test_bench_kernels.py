@@ -74,3 +74,48 @@ def test_vllm_imports_replaced_line_for_line(tmp_path):
     bad = tmp_path / "causal_conv1d.py"
     bad.write_text("from vllm.platforms import current_platform\n")
     assert load_vllm_conv(bad) is None  # reported, not raised
+
+
+def test_ssd_sweep_variants_resolve_at_the_9b_shapes():
+    """Every launch-parameter variant `bench kernels --only prefill --sweep` times for the SSD
+    scan names real knobs and passes the launcher's checks at the 9B layer shapes (head_dim 80),
+    and the split variants each undo one of the defaults' choices."""
+    import torch
+
+    from mambaserve.bench.kernels_prefill import SSD_SCAN_SWEEP, SSD_SPLIT_SWEEP, SSD_STATE_SWEEP
+    from mambaserve.engine.batch import Batch, Row
+    from mambaserve.metadata import build_metadata
+    from mambaserve.ops.triton import tuning
+    from mambaserve.ops.triton.ssd import SsdScan
+
+    H, P, N, G, L, T = 128, 80, 128, 8, 128, 40
+    meta = build_metadata(Batch(prefills=[Row.standalone([1] * T, 0, 0, False, [0])],
+                                decodes=[]), chunk_size=L, conv_kernel=4, page_size=1 << 20,
+                          scratch_page=0, device="cpu")
+    pm = meta.prefill
+    x = torch.zeros(T, H, P)
+    B = C = torch.zeros(T, G, N)
+    args = (x, torch.zeros(T, H), -torch.ones(H), B, C, torch.zeros(H), torch.zeros(H),
+            (0.0, float("inf")), torch.zeros(2, H, P, N), pm.state_slots.to(torch.int32),
+            pm.has_initial_state, pm.chunk_token_idx, pm.token_chunk_pos, pm.row_chunks,
+            pm.row_num_chunks)
+
+    def resolve(**knobs):
+        with tuning.override("ssd", **knobs):
+            s = SsdScan(*args)
+        return s.bps2, s.bns, s.prefetch_state, s.bpc2, s.bk
+
+    assert resolve() == (16, 64, True, 16, 32)  # the defaults at head_dim 80
+    for bp, bn, nw, *rest in SSD_STATE_SWEEP:
+        bl, ns = rest or (None, 1)
+        got = resolve(block_p_state=bp, block_n_state=bn, num_warps_state=nw, block_l_state=bl,
+                      num_stages_state=ns, block_p2_state=0, prefetch_state=False)
+        assert got[:3] == (0, bn, False)
+    for bm, bp, bk, nw, ns in SSD_SCAN_SWEEP:
+        assert resolve(block_m_scan=bm, block_p_scan=bp, block_k_scan=bk, num_warps_scan=nw,
+                       num_stages_scan=ns)[3:] == (0, bk)
+    undone = {name: resolve(**knobs) for name, knobs in SSD_SPLIT_SWEEP}
+    assert undone["state second program"][:3] == (0, 128, False)
+    assert undone["state split no prefetch"][:3] == (16, 64, False)
+    assert undone["scan one P tile"][3:] == (0, 16)
+    assert undone["scan split k16"][3:] == (16, 16)
