@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-H, P, N, G, K, L = 128, 80, 128, 8, 4, 128
+H, N, G = 128, 128, 8  # the 9B's Mamba heads, state size, groups (as in ssd_once.py)
 HIDDEN, MLP = 4480, 15680
 REPS = 8  # patterns per graph
 
@@ -55,37 +55,22 @@ def _graph(fns, reps: int) -> torch.cuda.CUDAGraph:
 
 
 def main(shape: str) -> None:
+    from ssd_once import D_INNER, scan_inputs  # this folder's script: the same inputs
     from torch.profiler import ProfilerActivity, profile
 
-    from mambaserve.engine.batch import Batch, Row
-    from mambaserve.metadata import build_metadata
     from mambaserve.ops.triton.ssd import SsdScan
 
-    nrows, seqlen = (int(v) for v in shape.split("x"))
-    batch = Batch(prefills=[Row.standalone([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
-                  decodes=[])
-    meta = build_metadata(batch, chunk_size=L, conv_kernel=K, page_size=1 << 20, scratch_page=0,
-                          device="cuda")
-    pm, T = meta.prefill, meta.num_prefill_tokens
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    bf, d_inner = torch.bfloat16, H * P
+    inputs = scan_inputs(shape)
+    scan = SsdScan(*inputs)
+    T = inputs[0].shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(2)
 
-    def rnd(*shape, scale=1.0, dtype=bf):
-        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
 
-    xbc = rnd(T, d_inner + 2 * G * N)  # x, B, C as split views of one buffer, as in the mixer
-    x = xbc[:, :d_inner].view(T, H, P)
-    B = xbc[:, d_inner:d_inner + G * N].view(T, G, N)
-    C = xbc[:, d_inner + G * N:].view(T, G, N)
-    A = -torch.rand(H, device="cuda", generator=gen) * 2 - 0.05
-    scan = SsdScan(x, rnd(T, H) - 1, A, B, C, rnd(H, dtype=torch.float32),
-                   rnd(H, scale=0.5, dtype=torch.float32), (0.0, float("inf")),
-                   rnd(nrows + 1, H, P, N, dtype=torch.float32),
-                   pm.state_slots.to(torch.int32), pm.has_initial_state, pm.chunk_token_idx,
-                   pm.token_chunk_pos, pm.row_chunks, pm.row_num_chunks)
-    a, y, u = rnd(T, HIDDEN, scale=0.1), rnd(T, d_inner), rnd(T, MLP)
-    w_in = rnd(2 * d_inner + 2 * G * N + H, HIDDEN, scale=0.02)
-    w_out, w_up, w_down = (rnd(HIDDEN, d_inner, scale=0.02), rnd(MLP, HIDDEN, scale=0.02),
+    a, y, u = rnd(T, HIDDEN, scale=0.1), rnd(T, D_INNER), rnd(T, MLP)
+    w_in = rnd(2 * D_INNER + 2 * G * N + H, HIDDEN, scale=0.02)  # [z | xBC | dt]
+    w_out, w_up, w_down = (rnd(HIDDEN, D_INNER, scale=0.02), rnd(MLP, HIDDEN, scale=0.02),
                            rnd(HIDDEN, MLP, scale=0.02))
 
     def gemms():

@@ -16,12 +16,16 @@ import sys
 import torch
 
 H, P, N, G, K, L = 128, 80, 128, 8, 4, 128
+D_INNER = H * P
 
 
-def main(shape: str) -> None:
+def scan_inputs(shape: str):
+    """The scan's inputs at the 9B layer shapes for `shape` ("ROWSxTOKENS", rows from zero, bf16;
+    x, B, C split views of one buffer as in the mixer): (x, dt, A, B, C, D, dt_bias, dt_limit,
+    ssm_state, state_slots, has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks,
+    row_num_chunks), in `ssd_chunk_scan_varlen`'s order."""
     from mambaserve.engine.batch import Batch, Row
     from mambaserve.metadata import build_metadata
-    from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
 
     nrows, seqlen = (int(v) for v in shape.split("x"))
     batch = Batch(prefills=[Row.standalone([1] * seqlen, 0, i, False, [0]) for i in range(nrows)],
@@ -40,10 +44,18 @@ def main(shape: str) -> None:
     dt_bias = torch.randn(H, device="cuda", generator=g) * 0.5
     ssm = torch.zeros(nrows + 1, H, P, N, device="cuda")
     pm = meta.prefill
-    args = (pm.state_slots.to(torch.int32), pm.has_initial_state, pm.chunk_token_idx,
+    return (x, dt, A, Bm, Cm, D, dt_bias, (0.0, float("inf")), ssm,
+            pm.state_slots.to(torch.int32), pm.has_initial_state, pm.chunk_token_idx,
             pm.token_chunk_pos, pm.row_chunks, pm.row_num_chunks)
-    calls = [lambda: ssd_chunk_scan_varlen_triton(x, dt, A, Bm, Cm, D, dt_bias,
-                                                  (0.0, float("inf")), ssm, *args)]
+
+
+def main(shape: str) -> None:
+    from mambaserve.ops.triton.ssd import ssd_chunk_scan_varlen_triton
+
+    nrows, seqlen = (int(v) for v in shape.split("x"))
+    inputs = scan_inputs(shape)
+    x, dt, A, Bm, Cm, D, dt_bias = inputs[:7]
+    calls = [lambda: ssd_chunk_scan_varlen_triton(*inputs)]
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
