@@ -202,6 +202,16 @@ def test_ssd_fp32_gathered_tokens(shuffle):
     _close(got, ref, st0, F32_TOL)
 
 
+def test_ssd_fp16_split_tiles_gathered():
+    # head_dim 40 in two tiles of one program in both launches (the 9B's layout), tokens gathered
+    # through chunk_token_idx (no prefetch there), in half precision
+    got, ref, st0 = _run(ROWS32, H=4, P=40, N=32, G=2, chunk_size=32, dtype=torch.float16,
+                         strided=True, seed=10, shuffle=True, contiguous_chunks=False,
+                         block_p_state=32, block_p2_state=16, block_n_state=16,
+                         block_p_scan=32, block_p2_scan=16, block_m_scan=16)
+    _close(got, ref, st0, 2e-2)
+
+
 def test_ssd_fp32_single_fresh_row():
     # one row from zero (every chunk's start state comes from the previous chunk, or none)
     got, ref, st0 = _run([(100, 0, 0, False)], H=2, P=8, N=8, G=1, chunk_size=16,
