@@ -93,19 +93,19 @@ def test_ssd_sweep_variants_resolve_at_the_9b_shapes():
                                 decodes=[]), chunk_size=L, conv_kernel=4, page_size=1 << 20,
                           scratch_page=0, device="cpu")
     pm = meta.prefill
-    x = torch.zeros(T, H, P)
-    B = C = torch.zeros(T, G, N)
-    args = (x, torch.zeros(T, H), -torch.ones(H), B, C, torch.zeros(H), torch.zeros(H),
-            (0.0, float("inf")), torch.zeros(2, H, P, N), pm.state_slots.to(torch.int32),
-            pm.has_initial_state, pm.chunk_token_idx, pm.token_chunk_pos, pm.row_chunks,
-            pm.row_num_chunks)
+    bf = torch.bfloat16
 
-    def resolve(**knobs):
+    def resolve(dtype=bf, **knobs):
+        x, B = torch.zeros(T, H, P, dtype=dtype), torch.zeros(T, G, N, dtype=dtype)
         with tuning.override("ssd", **knobs):
-            s = SsdScan(*args)
+            s = SsdScan(x, torch.zeros(T, H, dtype=dtype), -torch.ones(H), B, B, torch.zeros(H),
+                        torch.zeros(H), (0.0, float("inf")), torch.zeros(2, H, P, N),
+                        pm.state_slots.to(torch.int32), pm.has_initial_state, pm.chunk_token_idx,
+                        pm.token_chunk_pos, pm.row_chunks, pm.row_num_chunks)
         return s.bps2, s.bns, s.prefetch_state, s.bpc2, s.bk
 
-    assert resolve() == (16, 64, True, 16, 32)  # the defaults at head_dim 80
+    assert resolve() == (16, 64, True, 16, 32)  # the defaults at head_dim 80 in bf16
+    assert resolve(torch.float32) == (0, 128, False, 0, 16)  # float32: the one-tile layouts
     for bp, bn, nw, *rest in SSD_STATE_SWEEP:
         bl, ns = rest or (None, 1)
         got = resolve(block_p_state=bp, block_n_state=bn, num_warps_state=nw, block_l_state=bl,

@@ -100,23 +100,26 @@ class SsdScan:
         k = tuning.config("ssd", x.device)
         self.bh = k["block_h_dt"] or min(32, triton.next_power_of_2(H))
         self.warps_dt = k["num_warps_dt"]
+        # the split layouts' rules hold for 16-bit x (timed there, docs/kernels.md run 19); float32
+        # operands keep the one-tile layouts (the split launches spill heavily with them)
+        half = x.element_size() == 2
         self.bps = k["block_p_state"]
-        self.bps2 = (_second_rows(P, self.bps) if k["block_p2_state"] is None
+        self.bps2 = ((_second_rows(P, self.bps) if half else 0) if k["block_p2_state"] is None
                      else k["block_p2_state"])
         # a split program (more rows per tile) takes 64-wide N tiles (twice the programs) and
-        # loads the next chunk's tiles ahead (docs/kernels.md, run 19)
+        # loads the next chunk's tiles ahead
         self.bns = k["block_n_state"] or (min(64, _pow2_at_most(N, 128)) if self.bps2
                                           else _pow2_at_most(N, 128))
         self.bls = k["block_l_state"] or L
         self.warps_state, self.stages_state = k["num_warps_state"], k["num_stages_state"]
-        prefetch = self.bps2 > 0 if k["prefetch_state"] is None else k["prefetch_state"]
+        prefetch = self.bps2 > 0 and half if k["prefetch_state"] is None else k["prefetch_state"]
         self.prefetch_state = bool(prefetch) and self.contig and self.bls == L
         self.bcb = k["block_cb"] or min(L, 64)
         self.bkcb = k["block_k_cb"] or _pow2_at_most(N, 128)
         self.warps_cb = k["num_warps_cb"]
         self.bm = k["block_m_scan"] or min(L, 64)
         if k["block_p_scan"] is None and k["block_p2_scan"] is None:
-            self.bpc, self.bpc2 = _split_p(P)
+            self.bpc, self.bpc2 = _split_p(P) if half else (_pow2_at_most(P, 128), 0)
         else:
             self.bpc = k["block_p_scan"] or _pow2_at_most(P, 128)
             self.bpc2 = k["block_p2_scan"] or 0

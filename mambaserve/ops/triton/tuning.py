@@ -54,7 +54,10 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # block_p * pow2(N) >= 2048, else 2
     "selective_state_update": MappingProxyType({"block_p": None, "num_warps": None}),
     # SSD chunked scan, per launch (0: dt, S: state passing, CB, C: scan); block sizes are powers
-    # of two >= 16; the rules below were timed at the 9B's head_dim 80 (docs/kernels.md, run 19).
+    # of two >= 16; the split rules below were timed at the 9B's head_dim 80 in bf16
+    # (docs/kernels.md, run 19) and apply to 16-bit inputs (float32 keeps the one-tile layouts:
+    # no second tile, no prefetch, one launch-C tile; the split launches spill heavily with
+    # float32 operands).
     # None: block_h_dt min(32, pow2(H)); block_k_cb, block_n_scan min(128, max(16, pow2(N)));
     # block_l_state L; block_cb and block_m_scan min(L, 64).
     # Launch S: block_p2_state None = ssd._second_rows (80 past 64 rows: a second tile of 16 in
