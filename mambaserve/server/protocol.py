@@ -61,8 +61,26 @@ class ParsedRequest:
     chat: ChatOutputSpec | None = None  # how a chat choice's text becomes its message
 
 
+# vLLM's sampling extensions this server does not implement and whose silent omission would
+# change the result (an unconstrained answer, missing logprobs, a prompt not truncated): a request
+# that sets one (not null, not empty) gets a 400 naming it. Other unknown fields are ignored.
+UNSUPPORTED_SAMPLING_FIELDS = ("allowed_token_ids", "bad_words", "prompt_logprobs",
+                               "truncate_prompt_tokens", "logits_processors")
+
+
+def _refuse_unsupported_sampling(body: dict) -> None:
+    for name in UNSUPPORTED_SAMPLING_FIELDS:
+        if body.get(name) not in (None, [], {}):
+            raise APIError(f"'{name}' is not supported by this server", param=name,
+                           code="unsupported_parameter")
+    if body.get("use_beam_search") not in (None, False):
+        raise APIError("'use_beam_search' is not supported by this server",
+                       param="use_beam_search", code="unsupported_parameter")
+
+
 def _sampling(body: dict, *, max_tokens, logprobs: int | None, vocab_size: int
               ) -> tuple[SamplingParams, int, list[str]]:
+    _refuse_unsupported_sampling(body)
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     temperature = get_float(body, "temperature", 1.0, lo=0.0)
     top_p = get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)

@@ -29,6 +29,12 @@ def _post(server, path, body, status=200):
     (CHAT, {"messages": MSG, "store": "yes"}, "store"),
     (CHAT, {"messages": MSG, "user": 5}, "user"),
     (CHAT, {"messages": MSG, "continue_final_message": True}, "continue_final_message"),
+    # vLLM sampling extensions not implemented: refused rather than answered unconstrained
+    (CMPL, {"prompt": "x", "allowed_token_ids": [5]}, "allowed_token_ids"),
+    (CHAT, {"messages": MSG, "bad_words": ["Hello"]}, "bad_words"),
+    (CMPL, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    (CMPL, {"prompt": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    (CHAT, {"messages": MSG, "use_beam_search": True}, "use_beam_search"),
 ])
 def test_refused_fields_name_themselves(server, path, body, param):
     assert _post(server, path, body, 400)["error"]["param"] == param
@@ -41,6 +47,10 @@ def test_accepted_fields(server):
             "reasoning_effort": "low"}
     assert _post(server, CHAT, body)["choices"][0]["finish_reason"] == "length"
     assert _post(server, CMPL, {"prompt": "x", "max_tokens": 1, "suffix": "", "user": "u"})
+    # the unimplemented vLLM extensions at their "off" values change nothing: accepted
+    assert _post(server, CMPL, {"prompt": "x", "max_tokens": 1, "allowed_token_ids": None,
+                                "bad_words": [], "use_beam_search": False,
+                                "truncate_prompt_tokens": None})
 
 
 def test_max_completion_tokens_wins(server):
