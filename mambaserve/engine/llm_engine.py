@@ -32,6 +32,7 @@ from mambaserve.engine.scheduler import DRAIN, Scheduler
 from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.stop_checker import StopChecker
 from mambaserve.engine.tokenizer import Tokenizer
+from mambaserve.structured.allowed_tokens import AllowedTokens
 from mambaserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("mambaserve")
@@ -238,6 +239,9 @@ class LLMEngine:
                 req.prompt_logprobs = [None]
             if so is not None:
                 req.grammar = self.grammars.matcher(so)
+            elif params.allowed_token_ids is not None:  # a fixed token mask on the same path
+                req.grammar = AllowedTokens(params.allowed_token_ids,
+                                            self.model_config.vocab_size)
             children.append(req)
         for req in children:
             self.scheduler.add(req)

@@ -40,7 +40,8 @@ class Request:
     text_stream: object | None = None  # its incremental detokenizer (engine/tokenizer.TextStream)
     index: int = 0  # completion index within its parent request (n > 1)
     parent_id: str | None = None
-    # structured output: the request's grammar matcher (structured/grammar.RequestGrammar)
+    # its token mask: structured output's grammar matcher (structured/grammar.RequestGrammar)
+    # or a fixed allowed set (structured/allowed_tokens.AllowedTokens)
     grammar: object | None = None
     # prefix cache (see engine/snapshot_policy.py)
     cache_path: list = field(default_factory=list)  # matched tree nodes, locked while running

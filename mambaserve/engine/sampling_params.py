@@ -70,6 +70,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = None
+    # vLLM's allowed_token_ids: sampling (greedy included) only ever picks one of these ids
+    allowed_token_ids: list[int] | None = None
     # logits processing (docs/server.md "Logit bias and penalties"): token id -> bias added to
     # the logit; presence / frequency penalties over the generated tokens (OpenAI);
     # repetition penalty over prompt + generated tokens (vLLM / transformers; 1 = off)
@@ -99,12 +101,14 @@ class SamplingParams:
             self.repetition_penalty != 1.0
 
     def check_vocab(self, vocab_size: int) -> None:
-        """The token ids this request names (logit_bias keys) are inside the model's vocabulary
-        (`vocab_size` logits)."""
-        for t in self.logit_bias or ():
-            if t >= vocab_size:
-                raise ValueError(f"invalid SamplingParams: logit_bias token id {t} is outside "
-                                 f"the vocabulary (size {vocab_size})")
+        """The token ids this request names (logit_bias keys, allowed_token_ids) are inside the
+        model's vocabulary (`vocab_size` logits)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids",
+                                                            self.allowed_token_ids)):
+            for t in ids or ():
+                if t >= vocab_size:
+                    raise ValueError(f"invalid SamplingParams: {name} token id {t} is outside "
+                                     f"the vocabulary (size {vocab_size})")
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -144,6 +148,14 @@ class SamplingParams:
                 bad(f"structured_output must be a StructuredOutput, got {type(so).__name__}")
             if (msg := so.problem()) is not None:
                 bad(msg)
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                bad(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                    f"got {ids!r}")
+            if so is not None:
+                bad("allowed_token_ids cannot be combined with structured_output")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -PENALTY_RANGE <= v <= PENALTY_RANGE:

@@ -7,7 +7,9 @@ fields, for both /v1/completions and /v1/chat/completions:
   (at most one of them per request). Whether the schema / pattern / grammar compiles is the
   engine's check when it admits the request (a 400 as well);
 - `logit_bias` ({"token id": bias in [-100, 100]}, OpenAI), `presence_penalty` /
-  `frequency_penalty` ([-2, 2], OpenAI), `repetition_penalty` (vLLM; 1 = off).
+  `frequency_penalty` ([-2, 2], OpenAI), `repetition_penalty` (vLLM; 1 = off);
+- `allowed_token_ids` (vLLM): sampling only ever picks one of these ids (a fixed token mask;
+  not together with structured output).
 
 Errors are `FieldError`s (a ValueError naming the parameter); server/protocol.py turns them into
 400 answers. This module imports nothing from the server, so protocol.py can import it.
@@ -41,6 +43,7 @@ def sampling_extras(body: dict, vocab_size: int) -> dict:
     """SamplingParams keyword arguments for the fields above (defaults when absent)."""
     return {"structured_output": structured_output(body),
             "logit_bias": logit_bias(body, vocab_size),
+            "allowed_token_ids": allowed_token_ids(body, vocab_size),
             "presence_penalty": _number(body, "presence_penalty", 0.0, -PENALTY_RANGE,
                                         PENALTY_RANGE),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -PENALTY_RANGE,
@@ -68,6 +71,22 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     if not math.isfinite(v) or not lo <= v <= hi:
         raise FieldError(f"'{name}' must be in [{lo:g}, {hi:g}], got {v:g}", name)
     return float(v)
+
+
+def allowed_token_ids(body: dict, vocab_size: int) -> list[int] | None:
+    """vLLM's `allowed_token_ids`: a non-empty array of token ids inside the vocabulary; None
+    when absent or empty (no restriction)."""
+    v = body.get("allowed_token_ids")
+    if v is None or v == []:
+        return None
+    if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
+        raise FieldError(f"'allowed_token_ids' must be an array of token ids, got {_kind(v)}",
+                         "allowed_token_ids", "invalid_type")
+    for t in v:
+        if not 0 <= t < vocab_size:
+            raise FieldError(f"'allowed_token_ids' token id {t} is outside the vocabulary "
+                             f"(size {vocab_size})", "allowed_token_ids")
+    return list(v)
 
 
 def logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:

@@ -30,7 +30,8 @@ def _post(server, path, body, status=200):
     (CHAT, {"messages": MSG, "user": 5}, "user"),
     (CHAT, {"messages": MSG, "continue_final_message": True}, "continue_final_message"),
     # vLLM sampling extensions not implemented: refused rather than answered unconstrained
-    (CMPL, {"prompt": "x", "allowed_token_ids": [5]}, "allowed_token_ids"),
+    (CMPL, {"prompt": "x", "allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),
+    (CHAT, {"messages": MSG, "allowed_token_ids": "5"}, "allowed_token_ids"),
     (CHAT, {"messages": MSG, "bad_words": ["Hello"]}, "bad_words"),
     (CMPL, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
@@ -48,9 +49,23 @@ def test_accepted_fields(server):
     assert _post(server, CHAT, body)["choices"][0]["finish_reason"] == "length"
     assert _post(server, CMPL, {"prompt": "x", "max_tokens": 1, "suffix": "", "user": "u"})
     # the unimplemented vLLM extensions at their "off" values change nothing: accepted
-    assert _post(server, CMPL, {"prompt": "x", "max_tokens": 1, "allowed_token_ids": None,
+    assert _post(server, CMPL, {"prompt": "x", "max_tokens": 1, "allowed_token_ids": [],
                                 "bad_words": [], "use_beam_search": False,
                                 "truncate_prompt_tokens": None})
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_allowed_token_ids(server, path):
+    """vLLM's allowed_token_ids: one allowed id, so every generated token is it (its text is what
+    /detokenize makes of it); with response_format it is a 400."""
+    body = {"max_tokens": 3, "ignore_eos": True, "allowed_token_ids": [65]}
+    body.update({"prompt": "x"} if path == CMPL else {"messages": MSG})
+    out = _post(server, path, body)
+    choice = out["choices"][0]
+    text = choice["text"] if path == CMPL else choice["message"]["content"]
+    assert text == _post(server, "/detokenize", {"tokens": [65, 65, 65]})["prompt"]
+    body["response_format"] = {"type": "json_object"}
+    assert "cannot be combined" in _post(server, path, body, 400)["error"]["message"]
 
 
 def test_max_completion_tokens_wins(server):
@@ -97,7 +112,10 @@ def test_continue_final_message(server):
             "continue_final_message": True, "return_token_strs": True}
     prompt = "".join(_post(server, "/tokenize", body)["token_strs"])
     assert prompt.endswith("assistant: The answer is")  # left open, not closed by the template
-    assert _post(server, CHAT, {**body, "max_tokens": 2})["choices"][0]["message"]["content"]
+    # the continuation runs (its text may be empty: two tokens of a random-weight model can be
+    # an end token or half a UTF-8 character, depending on the unseeded request's sample)
+    out = _post(server, CHAT, {**body, "max_tokens": 2, "ignore_eos": True})
+    assert out["usage"]["completion_tokens"] == 2
 
 
 def test_tokenize_and_detokenize(server):
