@@ -50,6 +50,18 @@ def _chunk_rows(cti_ptr, c, cti_c, offs, t0, CONTIG: tl.constexpr):
 
 
 @triton.jit
+def _chunk_weights(dtc_ptr, cum_ptr, ch, cum_last, offs_l):
+    """dt ∘ exp(cum[L-1] - cum) of chunk positions offs_l (the state update's token weights)."""
+    return tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
+
+
+@triton.jit
+def _weighted(x, w):
+    """x [columns, positions] times the positions' weights, in x's dtype (a dot operand)."""
+    return (x.to(tl.float32) * w[None, :]).to(x.dtype)
+
+
+@triton.jit
 def _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, c, t0, clen, ch, cum_last, h,
                           g, l0, offs_p, offs_n, mp, mn, x_t, x_h, x_p, B_t, B_g, B_n, cti_c,
                           BLOCK_L: tl.constexpr, CONTIG: tl.constexpr):
@@ -63,13 +75,14 @@ def _chunk_state_operands(x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, c, t0, clen, 
         rows = tl.minimum(offs_l, clen - 1)  # hoisted out of the chunk loop and kept live
     else:
         rows = _chunk_rows(cti_ptr, c, cti_c, offs_l, t0, CONTIG)
-    w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
+    w = _chunk_weights(dtc_ptr, cum_ptr, ch, cum_last, offs_l)
     x = tl.load(x_ptr + t0 * x_t + h * x_h + rows[None, :] * x_t + offs_p[:, None] * x_p,
                 mask=mp[:, None] & ml[None, :], other=0.0)
     Bm = tl.load(B_ptr + t0 * B_t + g * B_g + rows[:, None] * B_t + offs_n[None, :] * B_n,
                  mask=ml[:, None] & mn[None, :], other=0.0)
-    cdt = x_ptr.dtype.element_ty
-    return (x.to(tl.float32) * w[None, :]).to(cdt), Bm.to(cdt), rows, ml, w
+    # both tiles loaded before x is weighted: weighting first (`_weighted_x`) delays B's load
+    # and spills registers in the snapshot variant (offline sm_90 compile)
+    return _weighted(x, w), Bm.to(x_ptr.dtype.element_ty), rows, ml, w
 
 
 @triton.jit
@@ -78,7 +91,7 @@ def _weighted_x(x_ptr, t0, h, rows, ml, w, offs_p, mp, x_t, x_h, x_p):
     operand."""
     x = tl.load(x_ptr + t0 * x_t + h * x_h + rows[None, :] * x_t + offs_p[:, None] * x_p,
                 mask=mp[:, None] & ml[None, :], other=0.0)
-    return (x.to(tl.float32) * w[None, :]).to(x_ptr.dtype.element_ty)
+    return _weighted(x, w)
 
 
 @triton.jit
@@ -182,12 +195,11 @@ def _chunk_state_passing_kernel(
             cid_nn = tl.load(row_chunks_ptr + r * rc_r + i + 2, mask=more2, other=0).to(tl.int64)
             t0_nn = tl.load(cti_ptr + cid_nn * cti_c, mask=more2, other=0)
             clen_nn = tl.load(clen_ptr + cid_nn, mask=more2, other=0)
-            offs_l = tl.arange(0, L)
-            w = tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
+            w = _chunk_weights(dtc_ptr, cum_ptr, ch, cum_last, tl.arange(0, L))
             Bm = Br.to(cdt)
-            loc = tl.dot((xr.to(tl.float32) * w[None, :]).to(cdt), Bm, input_precision=IP)
+            loc = tl.dot(_weighted(xr, w), Bm, input_precision=IP)
             if BLOCK_P2 > 0:
-                loc2 = tl.dot((xr2.to(tl.float32) * w[None, :]).to(cdt), Bm, input_precision=IP)
+                loc2 = tl.dot(_weighted(xr2, w), Bm, input_precision=IP)
         elif BLOCK_L == L:  # the whole chunk in one dot, no loop
             xw, Bm, rows, ml, w = _chunk_state_operands(
                 x_ptr, B_ptr, cti_ptr, dtc_ptr, cum_ptr, cid, t0, clen, ch, cum_last, h, g, 0,
