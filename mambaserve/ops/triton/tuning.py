@@ -34,8 +34,11 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # silu(gate) * up: BLOCK channels of one row per program (capped at pow2(I)); not swept
     "silu_mul": MappingProxyType({"block": 2048, "num_warps": 4}),
     # gated RMSNorm: None = max(1, min(8, BLOCK // 256)), BLOCK = next pow2 of the group size;
-    # the whole-row launch that writes FP8 rows: None = min(32, max(4, tile // 512))
-    "gated_rmsnorm": MappingProxyType({"num_warps": None, "fp8_num_warps": None}),
+    # the whole-row launch that writes FP8 rows: None = min(32, max(4, tile // 512)); up to
+    # fp8_split_rows rows (of several groups) write FP8 rows through the per-group launch
+    # (num_warps) whose last program per row quantizes it
+    "gated_rmsnorm": MappingProxyType({"num_warps": None, "fp8_num_warps": None,
+                                       "fp8_split_rows": 32}),
     # the gate without a norm (y * silu(z)): BLOCK channels of one token per program (capped at
     # the next power of two of the width); not swept
     "gated_silu": MappingProxyType({"block": 1024, "num_warps": 4}),
