@@ -33,6 +33,8 @@ from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.stop_checker import StopChecker
 from mambaserve.engine.tokenizer import Tokenizer
 from mambaserve.structured.allowed_tokens import AllowedTokens
+from mambaserve.structured.bad_words import BadWords, bad_word_sequences
+from mambaserve.structured.combined_mask import CombinedMask
 from mambaserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("mambaserve")
@@ -211,6 +213,21 @@ class LLMEngine:
         self.close()
 
     # ---- requests --------------------------------------------------------------------------
+    def _bad_word_sequences(self, params: SamplingParams) -> list[list[int]]:
+        """The token sequences of the request's bad words (structured/bad_words.py)."""
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer (no tokenizer.json in the "
+                             "checkpoint)")
+        seqs = bad_word_sequences(self.tokenizer, params.bad_words)
+        vocab = self.model_config.vocab_size
+        for seq in seqs:
+            if max(seq) >= vocab:
+                raise ValueError(f"bad_words token id {max(seq)} is outside the vocabulary "
+                                 f"(size {vocab})")
+        return seqs
+
     def add_request(self, request_id: str, prompt: str | dict | list[int],
                     params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
@@ -224,6 +241,8 @@ class LLMEngine:
         so = params.structured_output
         if so is not None:
             self.grammars.compile(so)  # a bad schema / pattern / grammar: ValueError, nothing queued
+        vocab = self.model_config.vocab_size
+        bad_words = self._bad_word_sequences(params)
         limit = self.max_model_len
         if params.max_tokens is None:  # up to the length limit, or what the KV pool can hold
             limit = min(limit, self.kv_pool.num_pages * self.kv_pool.page_size)
@@ -237,11 +256,12 @@ class LLMEngine:
                           arrival=next(self._counter), index=i, parent_id=request_id)
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
-            if so is not None:
-                req.grammar = self.grammars.matcher(so)
-            elif params.allowed_token_ids is not None:  # a fixed token mask on the same path
-                req.grammar = AllowedTokens(params.allowed_token_ids,
-                                            self.model_config.vocab_size)
+            masks = [self.grammars.matcher(so)] if so is not None else []
+            if params.allowed_token_ids is not None:  # a fixed token mask on the same path
+                masks.append(AllowedTokens(params.allowed_token_ids, vocab))
+            if bad_words:
+                masks.append(BadWords(bad_words, vocab))
+            req.grammar = masks[0] if len(masks) == 1 else CombinedMask(masks) if masks else None
             children.append(req)
         for req in children:
             self.scheduler.add(req)

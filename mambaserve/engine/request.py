@@ -41,7 +41,8 @@ class Request:
     index: int = 0  # completion index within its parent request (n > 1)
     parent_id: str | None = None
     # its token mask: structured output's grammar matcher (structured/grammar.RequestGrammar)
-    # or a fixed allowed set (structured/allowed_tokens.AllowedTokens)
+    # or a fixed allowed set (structured/allowed_tokens.AllowedTokens), and bad words
+    # (structured/bad_words.BadWords; several: structured/combined_mask.CombinedMask)
     grammar: object | None = None
     # prefix cache (see engine/snapshot_policy.py)
     cache_path: list = field(default_factory=list)  # matched tree nodes, locked while running
@@ -90,3 +91,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def needs_host_token_each_step(self) -> bool:
+        """Its next step is built only once the host has its last token: its token mask
+        depends on it (structured output; bad words of several tokens)."""
+        return self.params.needs_host_token_each_step or bool(
+            self.grammar is not None and self.grammar.needs_host_tokens)

@@ -72,6 +72,9 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     # vLLM's allowed_token_ids: sampling (greedy included) only ever picks one of these ids
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: the generated tokens never hold one of these words' token sequences
+    # (structured/bad_words.py; the engine tokenizes them, so it needs the model's tokenizer)
+    bad_words: list[str] | None = None
     # logits processing (docs/server.md "Logit bias and penalties"): token id -> bias added to
     # the logit; presence / frequency penalties over the generated tokens (OpenAI);
     # repetition penalty over prompt + generated tokens (vLLM / transformers; 1 = off)
@@ -156,6 +159,10 @@ class SamplingParams:
                     f"got {ids!r}")
             if so is not None:
                 bad("allowed_token_ids cannot be combined with structured_output")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in words)):
+            bad(f"bad_words must be a list of non-empty strings, got {words!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -PENALTY_RANGE <= v <= PENALTY_RANGE:

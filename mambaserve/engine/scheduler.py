@@ -80,8 +80,7 @@ class Scheduler:
     def needs_host_tokens(self) -> bool:
         """A running request that must see its last token before its next step is built has a
         token in flight (constrained decoding): the next step must not run ahead."""
-        return any(r.inflight_tokens and r.params.needs_host_token_each_step
-                   for r in self.running)
+        return any(r.inflight_tokens and r.needs_host_token_each_step for r in self.running)
 
     def prefill_backlog(self) -> int:
         """Prompt tokens still to prefill: the waiting requests' and the partly prefilled ones'

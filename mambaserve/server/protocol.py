@@ -64,8 +64,7 @@ class ParsedRequest:
 # vLLM's sampling extensions this server does not implement and whose silent omission would
 # change the result (an unconstrained answer, missing logprobs, a prompt not truncated): a request
 # that sets one (not null, not empty) gets a 400 naming it. Other unknown fields are ignored.
-UNSUPPORTED_SAMPLING_FIELDS = ("bad_words", "prompt_logprobs", "truncate_prompt_tokens",
-                               "logits_processors")
+UNSUPPORTED_SAMPLING_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens", "logits_processors")
 
 
 def _refuse_unsupported_sampling(body: dict) -> None:

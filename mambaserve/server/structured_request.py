@@ -9,7 +9,9 @@ fields, for both /v1/completions and /v1/chat/completions:
 - `logit_bias` ({"token id": bias in [-100, 100]}, OpenAI), `presence_penalty` /
   `frequency_penalty` ([-2, 2], OpenAI), `repetition_penalty` (vLLM; 1 = off);
 - `allowed_token_ids` (vLLM): sampling only ever picks one of these ids (a fixed token mask;
-  not together with structured output).
+  not together with structured output);
+- `bad_words` (vLLM): an array of words the generated text must not contain
+  (structured/bad_words.py says how a word becomes token sequences).
 
 Errors are `FieldError`s (a ValueError naming the parameter); server/protocol.py turns them into
 400 answers. This module imports nothing from the server, so protocol.py can import it.
@@ -44,6 +46,7 @@ def sampling_extras(body: dict, vocab_size: int) -> dict:
     return {"structured_output": structured_output(body),
             "logit_bias": logit_bias(body, vocab_size),
             "allowed_token_ids": allowed_token_ids(body, vocab_size),
+            "bad_words": bad_words(body),
             "presence_penalty": _number(body, "presence_penalty", 0.0, -PENALTY_RANGE,
                                         PENALTY_RANGE),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -PENALTY_RANGE,
@@ -86,6 +89,20 @@ def allowed_token_ids(body: dict, vocab_size: int) -> list[int] | None:
         if not 0 <= t < vocab_size:
             raise FieldError(f"'allowed_token_ids' token id {t} is outside the vocabulary "
                              f"(size {vocab_size})", "allowed_token_ids")
+    return list(v)
+
+
+def bad_words(body: dict) -> list[str] | None:
+    """vLLM's `bad_words`: an array of non-empty strings; None when absent or empty."""
+    v = body.get("bad_words")
+    if v is None or v == []:
+        return None
+    if not isinstance(v, list) or any(not isinstance(w, str) for w in v):
+        raise FieldError(f"'bad_words' must be an array of strings, got {_kind(v)}",
+                         "bad_words", "invalid_type")
+    if any(not w.strip() for w in v):
+        raise FieldError("'bad_words' entries must not be empty or only whitespace",
+                         "bad_words")
     return list(v)
 
 

@@ -14,6 +14,8 @@ from mambaserve.layers.logits_processors import bitmask_words
 
 
 class AllowedTokens:
+    needs_host_tokens = False  # the mask is the same at every step
+
     def __init__(self, token_ids: Sequence[int], vocab_size: int) -> None:
         self.vocab_size = vocab_size  # the model's logits width: a bitmask row covers it
         words = np.zeros(bitmask_words(vocab_size), dtype=np.uint32)

@@ -177,6 +177,8 @@ class RequestGrammar:
     """One request's position in its grammar. `advance` feeds the tokens the host has read
     since the last call; `fill` writes the allowed next tokens into a bitmask row."""
 
+    needs_host_tokens = True  # the next tokens allowed depend on the last one
+
     def __init__(self, matcher, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size  # the model's logits width: a bitmask row covers it

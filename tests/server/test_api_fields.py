@@ -29,10 +29,12 @@ def _post(server, path, body, status=200):
     (CHAT, {"messages": MSG, "store": "yes"}, "store"),
     (CHAT, {"messages": MSG, "user": 5}, "user"),
     (CHAT, {"messages": MSG, "continue_final_message": True}, "continue_final_message"),
-    # vLLM sampling extensions not implemented: refused rather than answered unconstrained
+    # vLLM sampling extensions: bad values, or not implemented (refused rather than answered
+    # unconstrained)
     (CMPL, {"prompt": "x", "allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),
     (CHAT, {"messages": MSG, "allowed_token_ids": "5"}, "allowed_token_ids"),
-    (CHAT, {"messages": MSG, "bad_words": ["Hello"]}, "bad_words"),
+    (CHAT, {"messages": MSG, "bad_words": "Hello"}, "bad_words"),
+    (CMPL, {"prompt": "x", "bad_words": ["a", " "]}, "bad_words"),
     (CMPL, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     (CHAT, {"messages": MSG, "use_beam_search": True}, "use_beam_search"),
@@ -66,6 +68,17 @@ def test_allowed_token_ids(server, path):
     assert text == _post(server, "/detokenize", {"tokens": [65, 65, 65]})["prompt"]
     body["response_format"] = {"type": "json_object"}
     assert "cannot be combined" in _post(server, path, body, 400)["error"]["message"]
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_bad_words(server, path):
+    """vLLM's bad_words: with "a" and "b" allowed and "a" banned, every token is "b"."""
+    a, b = _post(server, "/tokenize", {"prompt": "ab"})["tokens"]
+    body = {"max_tokens": 3, "ignore_eos": True, "allowed_token_ids": [a, b],
+            "bad_words": ["a"]}
+    body.update({"prompt": "x"} if path == CMPL else {"messages": MSG})
+    choice = _post(server, path, body)["choices"][0]
+    assert (choice["text"] if path == CMPL else choice["message"]["content"]) == "bbb"
 
 
 def test_max_completion_tokens_wins(server):
