@@ -199,7 +199,7 @@ def sweep_quant(ms: list[int]) -> list[dict]:
                 for warps in (8, 16, 32):  # the whole-row launch
                     cases[f"gated_rmsnorm quantize whole row warps {warps}"] = (
                         lambda warps=warps: _with("gated_rmsnorm",
-                                                  {"fp8_num_warps": warps, "fp8_split_rows": 0},
+                                                  {"fp8_num_warps": warps, "fp8_unfused_rows": 0},
                                                   lambda: gated_rmsnorm(x, z, wn, 1280, 1e-5,
                                                                         quantize=True)))
             for what, fn in cases.items():

@@ -131,11 +131,14 @@ class RefQuantLinear(nn.Module):
         self.x_scale, self.bias = x_scale, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w.device != x.device:  # the checkpoint's tensors, for a model on another device
+            self.w = self.w.to(x.device)
         xf = x.float()
         if self.x_scale is None:
-            s = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
+            amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+            s = amax / torch.full_like(amax, 448.0)  # IEEE on every device, as the engine's
         else:
-            s = self.x_scale.float()
+            s = self.x_scale.float().to(x.device)
         xq = (xf / s).clamp(-448.0, 448.0).to(FP8).float() * s
         y = xq @ self.w.t()
         if self.bias is not None:

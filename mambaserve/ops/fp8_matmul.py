@@ -116,13 +116,14 @@ def quantize_weight_fp8(w: torch.Tensor, per_channel: bool = True
     per output row ([N] float32) or over the whole tensor (a 0-d float32) when not
     `per_channel`. The weights of on-the-fly FP8 (`models/quantization.py`)."""
     wf = w.float()
-    if per_channel:
-        scale = wf.abs().amax(dim=1).clamp_min(MIN_AMAX) / FP8_MAX
-        q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    else:
-        scale = wf.abs().amax().clamp_min(MIN_AMAX) / FP8_MAX
-        q = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    amax = wf.abs().amax(dim=1) if per_channel else wf.abs().amax()
+    # divisions by tensors: IEEE on every device, so a checkpoint quantized on the CPU and the
+    # same weights quantized on the GPU get the same scales and codes (CUDA divides by a Python
+    # number as a multiplication by its reciprocal, one ulp away at times)
+    amax = amax.clamp_min(MIN_AMAX)
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    q = (wf / (scale[:, None] if per_channel else scale)).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(FP8_DTYPE), scale
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,

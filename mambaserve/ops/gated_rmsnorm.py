@@ -12,7 +12,9 @@ and an all-reduce completes the group's sum before the division.
 `quantize=True` returns the output as `Fp8Rows` (ops/fp8_matmul.py: e4m3 codes and dynamic per-row
 scales of the rounded output) for an FP8 out_proj of dynamic scales: on CUDA one launch per token
 row normalizes all its groups and writes the FP8 row (rows of up to 16384 padded elements; wider
-ones take the norm's launch, then a quantization launch).
+ones take the norm's launch, then a quantization launch). A batch of up to the tuning entry's
+`fp8_unfused_rows` rows (decode) takes those two launches too: there the whole-row launch is one
+SM's instruction issue per row, slower than the two (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_
     """
     args = (y, z, weight, group_size, eps, norm_before_gate, weight_fp32)
     if kernel_path("gated_rmsnorm", y.device) == "triton":
+        from mambaserve.ops.triton import tuning
         from mambaserve.ops.triton.gated_rmsnorm import (
             fits_fp8_row,
             gated_rmsnorm_fp8_triton,
@@ -62,8 +65,9 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_
 
         if not quantize:
             return gated_rmsnorm_triton(*args, out)
-        if kernel_path("fp8_quant", y.device) == "triton" and fits_fp8_row(y.shape[1],
-                                                                           group_size):
+        fused = y.shape[0] > tuning.config("gated_rmsnorm", y.device)["fp8_unfused_rows"]
+        if fused and kernel_path("fp8_quant", y.device) == "triton" and \
+                fits_fp8_row(y.shape[1], group_size):
             return Fp8Rows(*gated_rmsnorm_fp8_triton(*args))
         return quantize_rows(gated_rmsnorm_triton(*args))
     ref = gated_rmsnorm_ref(*args)

@@ -3,7 +3,8 @@ construction): a tiny NemotronH (all four layer kinds, the MoE's shared expert q
 routed experts not) and a tiny Bamba (split gate / up halves) are written by the tests in both
 published layouts (tests/fp8_checkpoints.py), loaded back through `LLM`, and compared with the
 unquantized model whose quantized projections run an explicit quantize -> dequantize -> float32
-matmul written in the tests. Tolerance: 1e-4 on every prompt logprob."""
+matmul written in the tests. Tolerance: 1e-4 on every prompt logprob; greedy tokens equal up to a
+tie at that tolerance (on a GPU, float32 as well, the engine's sums run in other orders)."""
 
 import json
 
@@ -39,6 +40,20 @@ def greedy(llm: LLM, ids: list[int], n: int = 12) -> list[int]:
     return list(llm.generate({"prompt_token_ids": ids}, sp)[0].outputs[0].token_ids)
 
 
+def assert_same_greedy(llm: LLM, ref: LLM, ids: list[int], n: int = 12) -> None:
+    """`llm` picks the reference's greedy tokens, except from a step where the reference's two
+    likeliest tokens are within 2 x TOL of each other (a tie at the tolerance; on the CPU the
+    two compute the same float32 values, on a GPU their sums run in other orders)."""
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
+    want = ref.generate({"prompt_token_ids": ids}, sp)[0].outputs[0]
+    got = greedy(llm, ids, n)
+    for i, (x, y) in enumerate(zip(got, want.token_ids)):
+        if x != y:
+            top = sorted(want.logprobs[i].values(), reverse=True)
+            assert top[0] - top[1] <= 2 * TOL, (i, got, want.token_ids, top)
+            return
+
+
 @pytest.fixture(scope="module", params=["NemotronH", "Bamba"])
 def source(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
@@ -57,7 +72,9 @@ def test_fp8_checkpoint_matches_the_reference_math(source, fmt, tmp_path):
     fp8 |= {n + ".gate_up" for n, m in model.named_modules()
             if getattr(m, "gate_up_weight_scale", None) is not None}
     static = {n for n, m in model.named_modules() if getattr(m, "input_scale", None) is not None}
-    ref = LLM(source, chunked_prefill_size=16, max_num_seqs=4)
+    # eager: its projections are replaced after loading, which CUDA graphs captured at start
+    # would not see (they would replay the freed modules' weights)
+    ref = LLM(source, chunked_prefill_size=16, max_num_seqs=4, enforce_eager=True)
     replaced = install_reference(ref.engine.model, checkpoint_name_map(ref.engine.model_config),
                                  quant)
     assert fp8 == set(replaced) and fp8
@@ -70,7 +87,7 @@ def test_fp8_checkpoint_matches_the_reference_math(source, fmt, tmp_path):
 
     got, want = prompt_logprobs(llm, PROMPT), prompt_logprobs(ref, PROMPT)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
-    assert greedy(llm, PROMPT) == greedy(ref, PROMPT)
+    assert_same_greedy(llm, ref, PROMPT)
 
     plain = LLM(source)
     a, b = greedy(llm, PROMPT, 24), greedy(plain, PROMPT, 24)

@@ -110,24 +110,19 @@ def test_public_rms_norm_returns_fp8_rows_on_every_path():
 @pytest.mark.parametrize("norm_before_gate,weight_fp32", [(False, False), (False, True),
                                                           (True, False)])
 @pytest.mark.parametrize("T,G,group", [(3, 8, 40), (2, 3, 24), (1, 8, 1280)])
-@pytest.mark.parametrize("split_rows", [0, 32], ids=["whole_row", "split"])
-def test_gated_rmsnorm_writes_the_quantization_of_its_output(T, G, group, split_rows,
-                                                              norm_before_gate, weight_fp32,
-                                                              dtype):
-    """Both FP8 launches of the gated norm (every variant, groups and channels padded to powers
-    of two) store quantize(out) of the values the per-group kernel stores: the whole-row launch,
-    and the per-group launch whose last program per row quantizes (`fp8_split_rows`), which
-    computes them exactly as the per-group kernel does (bit for bit in float32 too)."""
+def test_gated_rmsnorm_writes_the_quantization_of_its_output(T, G, group, norm_before_gate,
+                                                              weight_fp32, dtype):
+    """The whole-row gated norm (every variant, groups and channels padded to powers of two)
+    stores quantize(out) of the very values the per-group kernel stores."""
     gen = torch.Generator().manual_seed(T * G + group)
     y, z = (torch.randn(T, G * group, generator=gen).to(DEV, dtype) for _ in range(2))
     w = (1 + 0.3 * torch.randn(G * group, generator=gen)).to(DEV, dtype)
     args = (y, z, w, group, 1e-5, norm_before_gate, weight_fp32)
-    with tuning.override("gated_rmsnorm", fp8_split_rows=split_rows):
-        q, s, out_dtype = gated_rmsnorm_fp8_triton(*args)
+    q, s, out_dtype = gated_rmsnorm_fp8_triton(*args)
     out = gated_rmsnorm_triton(*args)
     assert out_dtype == out.dtype
     qr, sr = quantize_fp8_ref(out)
-    if dtype == torch.float32 and DEV == "cuda" and not split_rows:
+    if dtype == torch.float32 and DEV == "cuda":
         # compiled, the whole-row and per-group kernels sum each group in different orders, and a
         # float32 output keeps that last-ulp difference: scales within 1 ulp, codes within 1 step
         torch.testing.assert_close(s, sr, rtol=2.0**-22, atol=0)
@@ -135,22 +130,6 @@ def test_gated_rmsnorm_writes_the_quantization_of_its_output(T, G, group, split_
         assert step.max() <= 1 and step.float().mean() < 0.01
     else:
         assert torch.equal(s, sr) and torch.equal(_codes(q), _codes(qr))
-
-
-def test_gated_rmsnorm_split_launch_leaves_its_counters_at_zero():
-    """The per-group FP8 launch resets each row's arrival counter, so the next launch (and the
-    few-rows linear's split launches, which share the counters) starts from zero: two launches
-    in a row on different values give each its own quantization."""
-    from mambaserve.ops.triton.gemv import column_counters
-
-    gen = torch.Generator().manual_seed(11)
-    w = torch.ones(96).to(DEV)
-    for _ in range(2):
-        y, z = (torch.randn(3, 96, generator=gen).to(DEV) for _ in range(2))
-        q, s, _ = gated_rmsnorm_fp8_triton(y, z, w, 32, 1e-5)
-        qr, sr = quantize_fp8_ref(gated_rmsnorm_triton(y, z, w, 32, 1e-5))
-        assert torch.equal(s, sr) and torch.equal(_codes(q), _codes(qr))
-        assert not column_counters(y.device)[:8].any()
 
 
 def test_public_gated_rmsnorm_returns_fp8_rows():
@@ -164,6 +143,28 @@ def test_public_gated_rmsnorm_returns_fp8_rows():
         assert isinstance(rows, Fp8Rows) and rows.dtype == out.dtype
         qr, sr = quantize_fp8_ref(out)
         assert torch.equal(rows.scale, sr) and torch.equal(_codes(rows.q), _codes(qr))
+
+
+@pytest.mark.parametrize("T", [2, 5])
+def test_gated_rmsnorm_fp8_launches_by_row_count(monkeypatch, T):
+    """On the Triton path a batch of up to `fp8_unfused_rows` rows takes the per-group norm and
+    the quantization launch, more rows the whole-row launch: the same codes and scales."""
+    from mambaserve.ops import gated_rmsnorm as op
+    from mambaserve.ops.triton import gated_rmsnorm as kernels
+
+    monkeypatch.setattr(op, "kernel_path", lambda *a, **k: "triton")  # on the CPU too
+    whole_row = []
+    real = kernels.gated_rmsnorm_fp8_triton
+    monkeypatch.setattr(kernels, "gated_rmsnorm_fp8_triton",
+                        lambda *a: whole_row.append(a) or real(*a))
+    gen = torch.Generator().manual_seed(T)
+    y, z = (torch.randn(T, 96, generator=gen).to(DEV) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(96, generator=gen)).to(DEV)
+    with tuning.override("gated_rmsnorm", fp8_unfused_rows=4):
+        rows = op.gated_rmsnorm(y, z, w, 32, 1e-5, quantize=True)
+    assert len(whole_row) == (T > 4)
+    qr, sr = quantize_fp8_ref(gated_rmsnorm_triton(y, z, w, 32, 1e-5))
+    assert torch.equal(rows.scale, sr) and torch.equal(_codes(rows.q), _codes(qr))
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the FP8 GEMM paths run on the GPU")

@@ -17,15 +17,6 @@ rounded to the output dtype and written as FP8 (e4m3 codes and the row's dynamic
 `fp8_quant.py`'s math): the input of an FP8 out_proj of dynamic scales, with no quantization
 launch of its own.
 
-`_gated_rmsnorm_fp8_split_kernel`, grid (tokens, groups), for a few rows (decode; up to the
-tuning entry's `fp8_split_rows`): one token's whole row is one SM's work in the kernel above,
-and at one row it is bound by that SM's instruction issue (the 9B's 10,240 channels: 4.4 µs
-against 1.9 for the per-group launch, docs/benchmarks.md). Here each program normalizes one
-group exactly as `_gated_rmsnorm_kernel` does and stores it, rounded to the output dtype, to a
-scratch row; then counts its arrival on the row's counter (acq_rel, the few-rows linear's
-counters); the row's last program reads the whole rounded row back (from L2) and writes its
-scale and codes, the whole-row kernel's math on the same values, and resets the counter.
-
 `_gated_silu_kernel`, grid (tokens, blocks of BLOCK channels): y·silu(z) with silu rounded to
 z.dtype first and the product in float32, one cast to y.dtype (Falcon-H1 without the norm).
 
@@ -42,7 +33,6 @@ from triton.runtime.interpreter import InterpretedFunction
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import await_previous, pdl_launch
 from mambaserve.ops.triton.fp8_quant import e4m3_codes, row_scale
-from mambaserve.ops.triton.gemv import MAX_COLUMN_BLOCKS, column_counters
 
 MAX_FP8_ROW_TILE = 16384  # [pow2(groups), pow2(group_size)] elements in registers
 
@@ -66,21 +56,6 @@ def _gate_and_norm(y, z, w, group_size, eps, AXIS: tl.constexpr, CAST: tl.conste
 
 
 @triton.jit
-def _one_group(y_ptr, z_ptr, w_ptr, t, g, group_size, eps, y_t, y_d, z_t, z_d,
-               BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, WEIGHT_FP32: tl.constexpr):
-    """Group g of token t: (the float32 values before the cast to the output dtype, their
-    channels, the mask of real channels) for a BLOCK-wide tile."""
-    offs = g * group_size + tl.arange(0, BLOCK)
-    m = tl.arange(0, BLOCK) < group_size
-    y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    h = _gate_and_norm(y, z, w, group_size, eps, 0, y_ptr.dtype.element_ty, NORM_BEFORE_GATE,
-                       WEIGHT_FP32)
-    return h, offs, m
-
-
-@triton.jit
 def _gated_rmsnorm_kernel(
     y_ptr, z_ptr, w_ptr, out_ptr, group_size, eps,
     y_t, y_d, z_t, z_d, o_t, o_d,
@@ -89,8 +64,14 @@ def _gated_rmsnorm_kernel(
 ):
     await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    h, offs, m = _one_group(y_ptr, z_ptr, w_ptr, t, tl.program_id(1), group_size, eps, y_t, y_d,
-                            z_t, z_d, BLOCK, NORM_BEFORE_GATE, WEIGHT_FP32)
+    g = tl.program_id(1)
+    offs = g * group_size + tl.arange(0, BLOCK)
+    m = tl.arange(0, BLOCK) < group_size
+    y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    h = _gate_and_norm(y, z, w, group_size, eps, 0, y_ptr.dtype.element_ty, NORM_BEFORE_GATE,
+                       WEIGHT_FP32)
     tl.store(out_ptr + t * o_t + offs * o_d, h.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -116,33 +97,6 @@ def _gated_rmsnorm_fp8_kernel(
     scale = row_scale(tl.reshape(v, [GROUPS * BLOCK]))
     tl.store(s_ptr + t, scale)
     tl.store(q_ptr + t * groups * group_size + offs, e4m3_codes(v, scale, HW_FP8), mask=m)
-
-
-@triton.jit
-def _gated_rmsnorm_fp8_split_kernel(
-    y_ptr, z_ptr, w_ptr, v_ptr, q_ptr, s_ptr, cnt_ptr, groups, group_size, eps, y_t, y_d, z_t,
-    z_d, GROUPS: tl.constexpr, BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-    WEIGHT_FP32: tl.constexpr, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    await_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    row = t * groups * group_size
-    h, offs, m = _one_group(y_ptr, z_ptr, w_ptr, t, tl.program_id(1), group_size, eps, y_t, y_d,
-                            z_t, z_d, BLOCK, NORM_BEFORE_GATE, WEIGHT_FP32)
-    tl.store(v_ptr + row + offs, h.to(OUT_DTYPE), mask=m)
-    tl.debug_barrier()  # every thread's values stored before the arrival is counted
-    if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == groups - 1:
-        g = tl.arange(0, GROUPS)[:, None]
-        c = tl.arange(0, BLOCK)[None, :]
-        mm = (g < groups) & (c < group_size)
-        offs2 = g * group_size + c
-        v = tl.load(v_ptr + row + offs2, mask=mm, other=0.0, cache_modifier=".cg")
-        v = v.to(tl.float32)
-        scale = row_scale(tl.reshape(v, [GROUPS * BLOCK]))
-        tl.store(s_ptr + t, scale)
-        tl.store(q_ptr + row + offs2, e4m3_codes(v, scale, HW_FP8), mask=mm)
-        tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -198,8 +152,7 @@ def gated_rmsnorm_fp8_triton(y, z, weight, group_size, eps, norm_before_gate=Fal
                              weight_fp32=False):
     """`gated_rmsnorm_triton`'s result rounded to its output dtype, returned as (codes [T, D]
     float8_e4m3fn, scale [T, 1] float32) with dynamic per-row scales, for rows that
-    `fits_fp8_row`; plus that output dtype. Up to `fp8_split_rows` rows of several groups take
-    the per-group launch with the last-arriving quantization, more rows the whole-row one."""
+    `fits_fp8_row`; plus that output dtype."""
     T, Dm = y.shape
     assert z.shape == (T, Dm) and weight.shape == (Dm,), (y.shape, z.shape, weight.shape)
     assert Dm % group_size == 0 and fits_fp8_row(Dm, group_size), (Dm, group_size)
@@ -208,29 +161,17 @@ def gated_rmsnorm_fp8_triton(y, z, weight, group_size, eps, norm_before_gate=Fal
     out_dtype = y.dtype if weight_fp32 else torch.result_type(weight, y)
     q = torch.empty((T, Dm), dtype=torch.float8_e4m3fn, device=y.device)
     s = torch.empty((T, 1), dtype=torch.float32, device=y.device)
-    if not T:
-        return q, s, out_dtype
-    groups = Dm // group_size
-    GROUPS, BLOCK = triton.next_power_of_2(groups), triton.next_power_of_2(group_size)
-    cfg = tuning.config("gated_rmsnorm", y.device)
-    consts = dict(GROUPS=GROUPS, BLOCK=BLOCK, NORM_BEFORE_GATE=bool(norm_before_gate),
-                  WEIGHT_FP32=bool(weight_fp32), OUT_DTYPE=_TL_DTYPES[out_dtype],
-                  HW_FP8=y.device.type == "cuda" and not _INTERPRETED)
-    if groups > 1 and T <= cfg["fp8_split_rows"]:
-        assert T <= MAX_COLUMN_BLOCKS, T
-        rounded = torch.empty((T, Dm), dtype=out_dtype, device=y.device)
-        num_warps = cfg["num_warps"] or max(1, min(8, BLOCK // 256))
-        _gated_rmsnorm_fp8_split_kernel[(T, groups)](
-            y, z, weight, rounded, q.view(torch.uint8), s, column_counters(y.device), groups,
-            group_size, float(eps), *y.stride(), *z.stride(), **consts, num_warps=num_warps,
-            **pdl_launch(y.device, _gated_rmsnorm_fp8_split_kernel))
-    else:
-        num_warps = cfg["fp8_num_warps"]
+    if T:
+        groups = Dm // group_size
+        GROUPS, BLOCK = triton.next_power_of_2(groups), triton.next_power_of_2(group_size)
+        num_warps = tuning.config("gated_rmsnorm", y.device)["fp8_num_warps"]
         if num_warps is None:
             num_warps = min(32, max(4, GROUPS * BLOCK // 512))
         _gated_rmsnorm_fp8_kernel[(T,)](
             y, z, weight, q.view(torch.uint8), s, groups, group_size, float(eps), *y.stride(),
-            *z.stride(), **consts, num_warps=num_warps,
+            *z.stride(), GROUPS=GROUPS, BLOCK=BLOCK, NORM_BEFORE_GATE=bool(norm_before_gate),
+            WEIGHT_FP32=bool(weight_fp32), OUT_DTYPE=_TL_DTYPES[out_dtype],
+            HW_FP8=y.device.type == "cuda" and not _INTERPRETED, num_warps=num_warps,
             **pdl_launch(y.device, _gated_rmsnorm_fp8_kernel))
     return q, s, out_dtype
 
