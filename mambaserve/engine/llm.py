@@ -61,8 +61,11 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # validate everything first: a bad prompt queues nothing (and strings are tokenized once)
         checked = []
-        for p in prompts:
-            text, token_ids = self.engine.validate_prompt(p)
+        for p, sp in zip(prompts, params):
+            if isinstance(sp, SamplingParams):
+                sp.validate()
+            truncate = sp.truncate_prompt_tokens if isinstance(sp, SamplingParams) else None
+            text, token_ids = self.engine.validate_prompt(p, truncate)
             checked.append({"prompt": text, "prompt_token_ids": token_ids})
         ids: list[str] = []
         try:

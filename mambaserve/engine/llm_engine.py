@@ -23,7 +23,7 @@ from mambaserve.cache.radix_cache import PrefixCache
 from mambaserve.config import EngineConfig, ModelConfig, resolve_device
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
-from mambaserve.engine.prompt import prompt_ids, validate_prompt_ids
+from mambaserve.engine.prompt import prompt_ids, truncated, validate_prompt_ids
 from mambaserve.engine.rank_setup import build_rank
 from mambaserve.engine.request import Request, Status
 from mambaserve.engine.runner import StepHandle
@@ -235,8 +235,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.validate_prompt(prompt)
         params.validate()
+        text, ids = self.validate_prompt(prompt, params.truncate_prompt_tokens)
         params.check_vocab(self.model_config.vocab_size)
         so = params.structured_output
         if so is not None:
@@ -269,10 +269,13 @@ class LLMEngine:
             self.requests[req.request_id] = req
         self._parents[request_id] = children
 
-    def validate_prompt(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt this engine accepts; a PromptError (a
+    def validate_prompt(self, prompt: str | dict | list[int], truncate: int | None = None
+                        ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt this engine accepts, its last `truncate`
+        tokens when that is set (`SamplingParams.truncate_prompt_tokens`); a PromptError (a
         ValueError) names what is wrong otherwise. Queues nothing."""
         text, ids = prompt_ids(prompt, self.tokenizer)
+        text, ids = truncated(text, ids, truncate, self.max_model_len, self.tokenizer)
         validate_prompt_ids(ids, self.model_config.vocab_size, self.max_model_len)
         return text, ids
 

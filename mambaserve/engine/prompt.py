@@ -41,6 +41,21 @@ def prompt_ids(prompt, tokenizer) -> tuple[str | None, list]:
                       f"[...]}}, got {type(prompt).__name__}")
 
 
+def truncated(text: str | None, ids: list, keep: int | None, max_model_len: int, tokenizer
+              ) -> tuple[str | None, list]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len - 1,
+    room for one output token; None: all of them), and their text (None without a tokenizer)
+    when some were dropped."""
+    if keep is None:
+        return text, ids
+    keep = max_model_len - 1 if keep == -1 else keep
+    if len(ids) <= keep:
+        return text, ids
+    ids = ids[len(ids) - keep:]
+    return (tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None
+            else None), ids
+
+
 def validate_prompt_ids(ids: Sequence, vocab_size: int, max_model_len: int) -> None:
     """Raise PromptError unless `ids` holds at least one token, leaves room for one output token
     within `max_model_len`, and every id is an int in [0, vocab_size)."""

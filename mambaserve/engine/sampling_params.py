@@ -75,6 +75,9 @@ class SamplingParams:
     # vLLM's bad_words: the generated tokens never hold one of these words' token sequences
     # (structured/bad_words.py; the engine tokenizes them, so it needs the model's tokenizer)
     bad_words: list[str] | None = None
+    # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (-1: as many as the
+    # context holds with room for one output token)
+    truncate_prompt_tokens: int | None = None
     # logits processing (docs/server.md "Logit bias and penalties"): token id -> bias added to
     # the logit; presence / frequency penalties over the generated tokens (OpenAI);
     # repetition penalty over prompt + generated tokens (vLLM / transformers; 1 = off)
@@ -159,6 +162,10 @@ class SamplingParams:
                     f"got {ids!r}")
             if so is not None:
                 bad("allowed_token_ids cannot be combined with structured_output")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k == 0 or k < -1):
+            bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (the context length), "
+                f"got {k!r}")
         words = self.bad_words
         if words is not None and (not isinstance(words, (list, tuple)) or any(
                 not isinstance(w, str) or not w.strip() for w in words)):

@@ -144,6 +144,11 @@ def get_obj(body: dict, name: str) -> dict:
     return v
 
 
+# a prompt that truncate_prompt_tokens cuts is tokenized whole up to this many characters per
+# token of the context (a bound on the tokenizer's work for one request)
+TRUNCATE_CHARS_PER_TOKEN = 32
+
+
 def check_unicode(s: str, param: str) -> str:
     """`s` unless it holds a lone surrogate (JSON's "\\ud800" escapes decode to one): such a
     string is not Unicode text, no tokenizer takes it, and it cannot be encoded as UTF-8."""
@@ -156,10 +161,20 @@ def check_unicode(s: str, param: str) -> str:
     return s
 
 
-def encode_bounded(tokenizer, text: str, max_model_len: int, param: str) -> list[int]:
+def encode_bounded(tokenizer, text: str, max_model_len: int, param: str,
+                   truncating: bool = False) -> list[int]:
     """The token ids of `text`; a text that cannot fit in `max_model_len` tokens is refused
     from a prefix (4 x max_model_len characters, then 4x longer ones) without tokenizing all
-    of it. The final length check is `validate_prompt_ids`'s."""
+    of it. The final length check is `validate_prompt_ids`'s. `truncating` (the request keeps
+    only the prompt's last tokens): any length is tokenized up to
+    TRUNCATE_CHARS_PER_TOKEN x max_model_len characters; a longer text is refused."""
+    if truncating:
+        cap = TRUNCATE_CHARS_PER_TOKEN * max(max_model_len, 1024)
+        if len(text) > cap:
+            raise APIError(f"prompt of {len(text)} characters is too long to truncate: at most "
+                           f"{cap} characters are tokenized", param=param,
+                           code="context_length_exceeded")
+        return tokenizer.encode(text)
     k = 4 * max(max_model_len, 1024)
     while k < len(text):
         cut = text.rfind(" ", k // 2, k)

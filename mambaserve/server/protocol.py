@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mambaserve.engine.prompt import PromptError, validate_prompt_ids
+from mambaserve.engine.prompt import PromptError, truncated, validate_prompt_ids
 from mambaserve.engine.sampling_params import SamplingParams
 from mambaserve.server.chat_output import ChatOutputSpec
 from mambaserve.server.chat_request import ChatConfig, ChatInputs, parse_chat_inputs, render
@@ -64,7 +64,7 @@ class ParsedRequest:
 # vLLM's sampling extensions this server does not implement and whose silent omission would
 # change the result (an unconstrained answer, missing logprobs, a prompt not truncated): a request
 # that sets one (not null, not empty) gets a 400 naming it. Other unknown fields are ignored.
-UNSUPPORTED_SAMPLING_FIELDS = ("prompt_logprobs", "truncate_prompt_tokens", "logits_processors")
+UNSUPPORTED_SAMPLING_FIELDS = ("prompt_logprobs", "logits_processors")
 
 
 def _refuse_unsupported_sampling(body: dict) -> None:
@@ -154,6 +154,20 @@ def _check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, param
         raise APIError(str(e), param=param, code=e.code) from None
 
 
+def _truncation(body: dict, max_model_len: int) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: keep only the prompt's last k tokens (-1: as many as the
+    context holds with room for one output token); None when absent."""
+    k = get_int(body, "truncate_prompt_tokens", None, lo=-1)
+    if k == 0:
+        raise APIError("'truncate_prompt_tokens' must be >= 1, or -1 (the context length)",
+                       param="truncate_prompt_tokens", code="invalid_value")
+    if k is not None and k >= max_model_len:
+        raise APIError(f"'truncate_prompt_tokens' must be below the model's context length "
+                       f"({max_model_len} tokens, one of them for the output), got {k}",
+                       param="truncate_prompt_tokens", code="invalid_value")
+    return k
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -183,6 +197,7 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
     if len(items) > MAX_BATCH:
         raise APIError(f"at most {MAX_BATCH} prompts per request, got {len(items)}",
                        param="prompt", code="invalid_value")
+    keep = _truncation(body, max_model_len)
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -190,10 +205,11 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
                 raise APIError("this model has no tokenizer: send token ids as the prompt",
                                param="prompt")
             check_unicode(item, "prompt")
-            ids = encode_bounded(tokenizer, item, max_model_len, "prompt") if item else []
-            prompts.append(Prompt(item, ids))
+            ids = encode_bounded(tokenizer, item, max_model_len, "prompt",
+                                 keep is not None) if item else []
+            prompts.append(Prompt(*truncated(item, ids, keep, max_model_len, tokenizer)))
         else:
-            prompts.append(Prompt(None, list(item)))
+            prompts.append(Prompt(*truncated(None, list(item), keep, max_model_len, tokenizer)))
         _check_prompt_ids(prompts[-1].token_ids, vocab_size, max_model_len, "prompt")
     # ---- issue 23 (api-server): suffix refused; echo scoring (max_tokens 0, prompt logprobs) --
     if get_str(body, "suffix"):
@@ -247,7 +263,9 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
     params = _with_tool_constraint(params, chat, config)
     text = render(tokenizer, chat)
     # ----
-    ids = encode_bounded(tokenizer, text, max_model_len, "messages")
+    keep = _truncation(body, max_model_len)
+    ids = encode_bounded(tokenizer, text, max_model_len, "messages", keep is not None)
+    text, ids = truncated(text, ids, keep, max_model_len, tokenizer)
     _check_prompt_ids(ids, vocab_size, max_model_len, "messages")
     include, continuous = _stream_options(body, stream)
     get_str(body, "user")

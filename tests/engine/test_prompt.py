@@ -61,3 +61,43 @@ def test_one_message_and_code_per_problem(ids, code, message):
 
 def test_valid_ids_pass():
     validate_prompt_ids([0, 9] + [5] * 5, vocab_size=10, max_model_len=8)  # 7 < 8: room for one
+
+
+def test_truncated_keeps_the_last_tokens():
+    from mambaserve.engine.prompt import truncated
+
+    class Dec(_Chars):
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    ids = [97, 98, 99, 100]
+    assert truncated("abcd", ids, None, 10, Dec()) == ("abcd", ids)  # off
+    assert truncated("abcd", ids, 4, 10, Dec()) == ("abcd", ids)  # nothing dropped
+    assert truncated("abcd", ids, 2, 10, Dec()) == ("cd", [99, 100])
+    assert truncated("abcd", ids, -1, 4, Dec()) == ("bcd", [98, 99, 100])  # room for an output
+    assert truncated(None, ids, 1, 10, None) == (None, [100])
+
+
+def test_truncate_prompt_tokens_through_the_engine(tiny_llm):
+    """The engine runs the prompt's last k tokens: the same output as that suffix given alone;
+    -1 fits a prompt longer than the context; bad values are refused."""
+    from mambaserve import SamplingParams
+
+    eng = tiny_llm.engine
+    ids = list(range(3, 60))
+    sp = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    cut = tiny_llm.generate({"prompt_token_ids": ids},
+                            SamplingParams(truncate_prompt_tokens=16, **sp))[0]
+    alone = tiny_llm.generate({"prompt_token_ids": ids[-16:]}, SamplingParams(**sp))[0]
+    assert cut.prompt_token_ids == ids[-16:]
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert cut.prompt == eng.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+    long = [5 + i % 200 for i in range(eng.max_model_len + 7)]
+    with pytest.raises(ValueError, match="maximum context length"):
+        tiny_llm.generate({"prompt_token_ids": long}, SamplingParams(**sp))
+    out = tiny_llm.generate({"prompt_token_ids": long},
+                            SamplingParams(truncate_prompt_tokens=-1, **dict(sp, max_tokens=1)))
+    assert out[0].prompt_token_ids == long[-(eng.max_model_len - 1):]
+    for k in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1"):
+            SamplingParams(truncate_prompt_tokens=k)

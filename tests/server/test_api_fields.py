@@ -36,7 +36,9 @@ def _post(server, path, body, status=200):
     (CHAT, {"messages": MSG, "bad_words": "Hello"}, "bad_words"),
     (CMPL, {"prompt": "x", "bad_words": ["a", " "]}, "bad_words"),
     (CMPL, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
-    (CMPL, {"prompt": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    (CMPL, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (CMPL, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    (CHAT, {"messages": MSG, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     (CHAT, {"messages": MSG, "use_beam_search": True}, "use_beam_search"),
 ])
 def test_refused_fields_name_themselves(server, path, body, param):
@@ -79,6 +81,24 @@ def test_bad_words(server, path):
     body.update({"prompt": "x"} if path == CMPL else {"messages": MSG})
     choice = _post(server, path, body)["choices"][0]
     assert (choice["text"] if path == CMPL else choice["message"]["content"]) == "bbb"
+
+
+def test_truncate_prompt_tokens(server):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (a text prompt longer than
+    the context too), with the same greedy output as those tokens sent alone; chat as well (-1:
+    tests/engine/test_prompt.py)."""
+    limit = server.engine.max_model_len
+    text = "The quick brown fox. " * (limit // 10)  # byte tokens: over the context
+    body = {"prompt": text, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert _post(server, CMPL, body, 400)["error"]["code"] == "context_length_exceeded"
+    cut = _post(server, CMPL, {**body, "truncate_prompt_tokens": 12, "echo": True})
+    ids = _post(server, "/tokenize", {"prompt": text})["tokens"][-12:]
+    alone = _post(server, CMPL, {**body, "prompt": ids})
+    assert cut["usage"]["prompt_tokens"] == 12
+    tail = _post(server, "/detokenize", {"tokens": ids})["prompt"]
+    assert cut["choices"][0]["text"] == tail + alone["choices"][0]["text"]  # echo: what ran
+    chat = {"messages": MSG, "max_tokens": 1, "truncate_prompt_tokens": 5}
+    assert _post(server, CHAT, chat)["usage"]["prompt_tokens"] == 5
 
 
 def test_max_completion_tokens_wins(server):
