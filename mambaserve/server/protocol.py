@@ -62,7 +62,7 @@ class ParsedRequest:
 
 
 # vLLM's sampling extensions this server does not implement and whose silent omission would
-# change the result (an unconstrained answer, missing logprobs, a prompt not truncated): a request
+# change the result (missing logprobs, processors not run): a request
 # that sets one (not null, not empty) gets a 400 naming it. Other unknown fields are ignored.
 UNSUPPORTED_SAMPLING_FIELDS = ("prompt_logprobs", "logits_processors")
 
