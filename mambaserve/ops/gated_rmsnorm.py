@@ -56,18 +56,16 @@ def gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_
     """
     args = (y, z, weight, group_size, eps, norm_before_gate, weight_fp32)
     if kernel_path("gated_rmsnorm", y.device) == "triton":
-        from mambaserve.ops.triton import tuning
         from mambaserve.ops.triton.gated_rmsnorm import (
-            fits_fp8_row,
+            fp8_row_launch,
             gated_rmsnorm_fp8_triton,
             gated_rmsnorm_triton,
         )
 
         if not quantize:
             return gated_rmsnorm_triton(*args, out)
-        fused = y.shape[0] > tuning.config("gated_rmsnorm", y.device)["fp8_unfused_rows"]
-        if fused and kernel_path("fp8_quant", y.device) == "triton" and \
-                fits_fp8_row(y.shape[1], group_size):
+        if kernel_path("fp8_quant", y.device) == "triton" and \
+                fp8_row_launch(*y.shape, group_size, y.device):
             return Fp8Rows(*gated_rmsnorm_fp8_triton(*args))
         return quantize_rows(gated_rmsnorm_triton(*args))
     ref = gated_rmsnorm_ref(*args)

@@ -141,6 +141,15 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
     return out
 
 
+def fp8_row_launch(rows: int, num_channels: int, group_size: int, device) -> bool:
+    """Whether `gated_rmsnorm_fp8_triton` is the faster way to write these rows as FP8: they fit
+    its tile and there are more than the tuning entry's `fp8_unfused_rows` of them (fewer take
+    `gated_rmsnorm_triton`, then the quantization launch: at a few rows the whole-row launch is
+    one SM's instruction issue per row, docs/kernels.md)."""
+    return rows > tuning.config("gated_rmsnorm", device)["fp8_unfused_rows"] and \
+        fits_fp8_row(num_channels, group_size)
+
+
 def fits_fp8_row(num_channels: int, group_size: int) -> bool:
     """Whether `gated_rmsnorm_fp8_triton` holds a row of these groups in one tile."""
     groups = num_channels // group_size
