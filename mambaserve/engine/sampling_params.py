@@ -10,6 +10,9 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias is in [-100, 100]
 PENALTY_RANGE = 2.0  # presence / frequency penalties in [-2, 2] (OpenAI's range)
 # repetition penalty bounds: every value stays a normal float32 and logit * penalty finite
 REPETITION_RANGE = (1e-6, 1e6)
+# bad_words: each step matches the request's last tokens against its words on the host
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,10 @@ class SamplingParams:
         if words is not None and (not isinstance(words, (list, tuple)) or any(
                 not isinstance(w, str) or not w.strip() for w in words)):
             bad(f"bad_words must be a list of non-empty strings, got {words!r}")
+        if words is not None and (len(words) > MAX_BAD_WORDS or
+                                  any(len(w) > MAX_BAD_WORD_CHARS for w in words)):
+            bad(f"bad_words takes at most {MAX_BAD_WORDS} words of at most "
+                f"{MAX_BAD_WORD_CHARS} characters each")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -PENALTY_RANGE <= v <= PENALTY_RANGE:

@@ -37,13 +37,14 @@ class BadWords:
     def __init__(self, sequences: Sequence[Sequence[int]], vocab_size: int) -> None:
         self.vocab_size = vocab_size  # the model's logits width: a bitmask row covers it
         row = np.full(bitmask_words(vocab_size), 0xFFFFFFFF, dtype=np.uint32)
-        self._longer: list[tuple[tuple[int, ...], int]] = []
+        # longer sequences by the token before their last: a step looks up its last token only
+        self._longer: dict[int, list[tuple[tuple[int, ...], int]]] = {}
         for seq in sequences:
             assert seq and all(0 <= t < vocab_size for t in seq), (seq, vocab_size)
             if len(seq) == 1:
                 row[seq[0] // 32] &= ~np.uint32(1 << (seq[0] % 32))
             else:
-                self._longer.append((tuple(seq[:-1]), seq[-1]))
+                self._longer.setdefault(seq[-2], []).append((tuple(seq[:-1]), seq[-1]))
         self._row = row.view(np.int32)
         self.needs_host_tokens = bool(self._longer)
         self._output: Sequence[int] = ()
@@ -61,7 +62,7 @@ class BadWords:
         `bitmask[row]` (int32 words, bit j of word i is token 32 * i + j)."""
         bitmask[row] = self._row
         out, words = self._output, bitmask[row].view(np.uint32)
-        for prefix, last in self._longer:
+        for prefix, last in self._longer.get(out[-1], ()) if len(out) else ():
             n = len(prefix)
             if len(out) >= n and tuple(out[len(out) - n:]) == prefix:
                 words[last // 32] &= ~np.uint32(1 << (last % 32))

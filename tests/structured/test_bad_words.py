@@ -114,6 +114,12 @@ def test_bad_values_are_refused(words):
         SamplingParams(bad_words=words)
 
 
+@pytest.mark.parametrize("words", [["w"] * 1025, ["x" * 257]])
+def test_too_many_or_too_long_words_are_refused(words):
+    with pytest.raises(ValueError, match="at most 1024 words of at most 256 characters"):
+        SamplingParams(bad_words=words)
+
+
 def test_an_engine_without_a_tokenizer_refuses_bad_words(llm):
     tok, llm.engine.tokenizer = llm.engine.tokenizer, None
     try:
