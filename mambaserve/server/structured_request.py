@@ -2,10 +2,12 @@
 fields, for both /v1/completions and /v1/chat/completions:
 
 - structured output: OpenAI's `response_format` ({"type": "text" | "json_object" |
-  "json_schema", "json_schema": {"name", "schema", "strict"}}) and vLLM's extras
-  `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` -> `StructuredOutput`
-  (at most one of them per request). Whether the schema / pattern / grammar compiles is the
-  engine's check when it admits the request (a 400 as well);
+  "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's `structured_outputs`
+  ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}, its field since the
+  `guided_*` ones were removed) and the older `guided_json`, `guided_regex`, `guided_choice`,
+  `guided_grammar` -> `StructuredOutput` (at most one of them per request). Whether the
+  schema / pattern / grammar compiles is the engine's check when it admits the request (a 400
+  as well);
 - `logit_bias` ({"token id": bias in [-100, 100]}, OpenAI), `presence_penalty` /
   `frequency_penalty` ([-2, 2], OpenAI), `repetition_penalty` (vLLM; 1 = off);
 - `allowed_token_ids` (vLLM): sampling only ever picks one of these ids (a fixed token mask;
@@ -31,6 +33,11 @@ from mambaserve.engine.sampling_params import (
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# vLLM's structured_outputs: its constraints (exactly one per request), and its options that
+# would change the text and are not implemented (backend and whitespace options that only
+# restate what this server does are ignored)
+STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUTS_UNSUPPORTED = ("structural_tag", "whitespace_pattern")
 
 
 class FieldError(ValueError):
@@ -150,7 +157,9 @@ def structured_output(body: dict) -> StructuredOutput | None:
         found.append(("response_format", rf))
     for name in GUIDED_FIELDS:
         if body.get(name) is not None:
-            found.append((name, _guided(name, body[name])))
+            found.append((name, _guided(name[len("guided_"):], body[name], name)))
+    if body.get("structured_outputs") is not None:
+        found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise FieldError(f"only one structured-output field may be given, got {names}",
@@ -190,23 +199,48 @@ def _response_format(body: dict) -> StructuredOutput | None:
                             _utf8(json.dumps(schema, ensure_ascii=False), "response_format"))
 
 
-def _guided(name: str, v) -> StructuredOutput:
-    if name == "guided_json":
+def _structured_outputs(v) -> StructuredOutput:
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+    name = "structured_outputs"
+    if not isinstance(v, dict):
+        raise FieldError(f"'{name}' must be an object, got {_kind(v)}", name, "invalid_type")
+    for key in STRUCTURED_OUTPUTS_UNSUPPORTED:
+        if v.get(key) is not None:
+            raise FieldError(f"'{name}.{key}' is not supported by this server", name,
+                             "unsupported_parameter")
+    kinds = [k for k in STRUCTURED_OUTPUTS_KINDS if v.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise FieldError(f"'{name}' takes exactly one of {', '.join(STRUCTURED_OUTPUTS_KINDS)}"
+                         f", got {', '.join(kinds) or 'none'}", name)
+    kind = kinds[0]
+    if kind == "json_object":
+        if v[kind] is not True:
+            raise FieldError(f"'{name}.json_object' must be true, got {_kind(v[kind])}", name,
+                             "invalid_type")
+        return StructuredOutput("json_object")
+    return _guided(kind, v[kind], f"{name}.{kind}", name)
+
+
+def _guided(kind: str, v, shown: str, param: str | None = None) -> StructuredOutput:
+    """A `json` (schema object or its JSON text), `choice`, `regex` or `grammar` constraint
+    given as the field `shown` (the error's parameter: `param`, else `shown`)."""
+    param = param or shown
+    if kind == "json":
         if isinstance(v, str):
             try:
                 v = json.loads(v)
             except ValueError as e:
-                raise FieldError(f"'guided_json' is not valid JSON: {e}", name) from None
+                raise FieldError(f"'{shown}' is not valid JSON: {e}", param) from None
         if not isinstance(v, dict):
-            raise FieldError(f"'guided_json' must be a JSON schema (an object or its JSON "
-                             f"text), got {_kind(v)}", name, "invalid_type")
-        return StructuredOutput("json_schema", _utf8(json.dumps(v, ensure_ascii=False), name))
-    if name == "guided_choice":
+            raise FieldError(f"'{shown}' must be a JSON schema (an object or its JSON "
+                             f"text), got {_kind(v)}", param, "invalid_type")
+        return StructuredOutput("json_schema", _utf8(json.dumps(v, ensure_ascii=False), param))
+    if kind == "choice":
         if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
-            raise FieldError("'guided_choice' must be a non-empty array of non-empty strings",
-                             name, "invalid_type")
-        return StructuredOutput("choice", [_utf8(c, name) for c in v])
+            raise FieldError(f"'{shown}' must be a non-empty array of non-empty strings",
+                             param, "invalid_type")
+        return StructuredOutput("choice", [_utf8(c, param) for c in v])
     if not isinstance(v, str) or not v.strip():
-        raise FieldError(f"'{name}' must be a non-empty string, got {_kind(v)}", name,
+        raise FieldError(f"'{shown}' must be a non-empty string, got {_kind(v)}", param,
                          "invalid_type")
-    return StructuredOutput("regex" if name == "guided_regex" else "grammar", _utf8(v, name))
+    return StructuredOutput(kind, _utf8(v, param))
