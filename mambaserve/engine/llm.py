@@ -101,4 +101,7 @@ class LLM:
         if tok is None:
             raise ValueError("this model has no tokenizer")
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        return self.generate([tok.apply_chat_template(c) for c in convs], sampling_params)
+        texts = [tok.apply_chat_template(c) for c in convs]
+        # the template writes the special tokens itself: no BOS added to it
+        return self.generate([{"prompt": t, "prompt_token_ids": tok.encode(
+            t, add_special_tokens=False)} for t in texts], sampling_params)

@@ -162,19 +162,20 @@ def check_unicode(s: str, param: str) -> str:
 
 
 def encode_bounded(tokenizer, text: str, max_model_len: int, param: str,
-                   truncating: bool = False) -> list[int]:
-    """The token ids of `text`; a text that cannot fit in `max_model_len` tokens is refused
-    from a prefix (4 x max_model_len characters, then 4x longer ones) without tokenizing all
-    of it. The final length check is `validate_prompt_ids`'s. `truncating` (the request keeps
-    only the prompt's last tokens): any length is tokenized up to
-    TRUNCATE_CHARS_PER_TOKEN x max_model_len characters; a longer text is refused."""
+                   truncating: bool = False, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of `text` (`add_special_tokens`: the tokenizer's BOS when its config asks
+    for one); a text that cannot fit in `max_model_len` tokens is refused from a prefix (4 x
+    max_model_len characters, then 4x longer ones) without tokenizing all of it. The final
+    length check is `validate_prompt_ids`'s. `truncating` (the request keeps only the prompt's
+    last tokens): any length is tokenized up to TRUNCATE_CHARS_PER_TOKEN x max_model_len
+    characters; a longer text is refused."""
     if truncating:
         cap = TRUNCATE_CHARS_PER_TOKEN * max(max_model_len, 1024)
         if len(text) > cap:
             raise APIError(f"prompt of {len(text)} characters is too long to truncate: at most "
                            f"{cap} characters are tokenized", param=param,
                            code="context_length_exceeded")
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     k = 4 * max(max_model_len, 1024)
     while k < len(text):
         cut = text.rfind(" ", k // 2, k)
@@ -186,4 +187,4 @@ def encode_bounded(tokenizer, text: str, max_model_len: int, param: str,
                            f"alone are {n} tokens", param=param,
                            code="context_length_exceeded")
         k *= 4
-    return tokenizer.encode(text)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -198,6 +198,7 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
         raise APIError(f"at most {MAX_BATCH} prompts per request, got {len(items)}",
                        param="prompt", code="invalid_value")
     keep = _truncation(body, max_model_len)
+    special = get_bool(body, "add_special_tokens", True)  # vLLM's default for a completion
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -206,7 +207,7 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
                                param="prompt")
             check_unicode(item, "prompt")
             ids = encode_bounded(tokenizer, item, max_model_len, "prompt",
-                                 keep is not None) if item else []
+                                 keep is not None, special) if item else []
             prompts.append(Prompt(*truncated(item, ids, keep, max_model_len, tokenizer)))
         else:
             prompts.append(Prompt(*truncated(None, list(item), keep, max_model_len, tokenizer)))
@@ -264,7 +265,10 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
     text = render(tokenizer, chat)
     # ----
     keep = _truncation(body, max_model_len)
-    ids = encode_bounded(tokenizer, text, max_model_len, "messages", keep is not None)
+    # the chat template writes the special tokens itself (vLLM's default for a chat, and what
+    # /tokenize of the messages counts)
+    special = get_bool(body, "add_special_tokens", False)
+    ids = encode_bounded(tokenizer, text, max_model_len, "messages", keep is not None, special)
     text, ids = truncated(text, ids, keep, max_model_len, tokenizer)
     _check_prompt_ids(ids, vocab_size, max_model_len, "messages")
     include, continuous = _stream_options(body, stream)

@@ -64,7 +64,8 @@ def test_a_prompt_too_long_for_the_context_is_refused_from_a_prefix(server, monk
     tok = server.engine.tokenizer
     seen: list[int] = []
     real = tok.encode
-    monkeypatch.setattr(tok, "encode", lambda text: seen.append(len(text)) or real(text))
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: seen.append(len(text))
+                        or real(text, **kw))
     text = "ROMEO: " * 400_000  # 2.8 M characters, 4096-token context
     t0 = time.monotonic()
     r = httpx.post(server.url + CMPL, json={"prompt": text, "max_tokens": 4}, timeout=30)
@@ -134,7 +135,8 @@ def test_health_answers_within_100ms_while_big_requests_are_parsed(server, monke
     tok = server.engine.tokenizer
     calls: list[float] = []
     real = tok.encode
-    monkeypatch.setattr(tok, "encode", lambda text: calls.append(time.monotonic()) or real(text))
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: calls.append(time.monotonic())
+                        or real(text, **kw))
     worst = []
     for _ in range(2):
         during, window = _health_during_big_requests(server, calls)
