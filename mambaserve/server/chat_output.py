@@ -33,6 +33,7 @@ class ChatOutputSpec:
     tool_parser: ToolParser | None = None
     reasoning: ThinkReasoningParser | None = None
     echo: str = ""  # vLLM's chat echo: the last (assistant) message's content, prepended
+    include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the reasoning out
 
 
 class ChatChoiceOutput:
@@ -61,7 +62,8 @@ class ChatChoiceOutput:
         reasoning, content, calls = self._parse(text, True)
         msg: dict = {"role": "assistant", "content": content, "refusal": None}
         if self.spec.reasoning is not None:
-            msg["reasoning_content"] = reasoning or None
+            msg["reasoning_content"] = (reasoning or None) if self.spec.include_reasoning \
+                else None
         tool_calls = [{"id": tool_call_id(), "type": "function",
                        "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         msg["tool_calls"] = tool_calls
@@ -78,7 +80,8 @@ class ChatChoiceOutput:
             self.called_tools = bool(calls)
         out: dict = {}
         if reasoning.startswith(self.sent_reasoning) and len(reasoning) > len(self.sent_reasoning):
-            out["reasoning_content"] = reasoning[len(self.sent_reasoning):]
+            if self.spec.include_reasoning:
+                out["reasoning_content"] = reasoning[len(self.sent_reasoning):]
             self.sent_reasoning = reasoning
         if content.startswith(self.sent_content):
             if len(content) > len(self.sent_content):

@@ -46,6 +46,7 @@ class ChatInputs:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    include_reasoning: bool = True
 
     def output_spec(self, config: ChatConfig, prompt: str) -> ChatOutputSpec:
         """How the output of this request is read, once its prompt is rendered."""
@@ -60,7 +61,7 @@ class ChatInputs:
         if self.echo and last["role"] == "assistant" and isinstance(last.get("content"), str):
             echo = last["content"]
         return ChatOutputSpec(output_parser(self.tools, config.tool_call_parser), reasoning,
-                              echo)
+                              echo, self.include_reasoning)
 
 
 def _content(m: dict, i: int) -> str | None:
@@ -188,7 +189,8 @@ def parse_chat_inputs(body: dict, config: ChatConfig) -> ChatInputs:
         raise APIError("continue_final_message needs add_generation_prompt false and a last "
                        "message from the assistant", param="continue_final_message",
                        code="invalid_value")
-    return ChatInputs(messages, tools, kwargs, add_gen, cont, get_bool(body, "echo", False))
+    return ChatInputs(messages, tools, kwargs, add_gen, cont, get_bool(body, "echo", False),
+                      get_bool(body, "include_reasoning", True))
 
 
 def render(tokenizer, chat: ChatInputs) -> str:

@@ -87,6 +87,20 @@ def test_reasoning_streamed(reasoning):
     assert kinds == sorted(kinds, reverse=True)  # all reasoning before any content
 
 
+def test_include_reasoning_false_leaves_it_out(reasoning):
+    """vLLM's include_reasoning: false: the reasoning is generated (the same content follows it)
+    but not returned, whole or streamed."""
+    kw = {"model": reasoning.model, "messages": _messages("/think"), "temperature": 0,
+          "extra_body": {"include_reasoning": False}}
+    client = reasoning.client()
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.reasoning_content is None and msg.content == "Hello there!"
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**kw, stream=True)
+              if c.choices]
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == "Hello there!"
+
+
 @pytest.mark.parametrize("kw", [
     {"messages": _messages("/no_think")},  # the system-prompt switch, through the template
     {"messages": _messages("/think"), "extra_body": {
