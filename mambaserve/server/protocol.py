@@ -59,6 +59,8 @@ class ParsedRequest:
     # ---- issue 23 (api-server): echo scoring, chat output parsing ----
     echo_only: bool = False  # max_tokens 0 with echo: the prompt scored, no text generated
     chat: ChatOutputSpec | None = None  # how a chat choice's text becomes its message
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", not by their text
+    token_ids_as_text: bool = False
 
 
 # vLLM's sampling extensions this server does not implement and whose silent omission would
@@ -239,7 +241,8 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
     include, continuous = _stream_options(body, stream)
     get_str(body, "user")
     return ParsedRequest(model, prompts, params, n, stream, include, continuous, echo,
-                         logprobs, stop, echo_only=echo_only)
+                         logprobs, stop, echo_only=echo_only,
+                         token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False))
 
 
 def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
@@ -274,7 +277,8 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
     include, continuous = _stream_options(body, stream)
     get_str(body, "user")
     return ParsedRequest(model, [Prompt(text, ids)], params, n, stream, include, continuous,
-                         False, logprobs, stop, chat=chat.output_spec(config, text))
+                         False, logprobs, stop, chat=chat.output_spec(config, text),
+                         token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False))
 
 
 # ---- issue 23 (api-server) -------------------------------------------------------------------

@@ -29,6 +29,8 @@ from mambaserve.server.protocol import ParsedRequest
 
 logger = logging.getLogger("mambaserve.server")
 
+TOKEN_IDS = TokenText(None)  # names every token "token_id:N"
+
 
 def engine_error(e: BaseException) -> APIError:
     """Map what the AsyncEngine raises to the HTTP error the client gets."""
@@ -183,6 +185,10 @@ class OpenAIServing:
             raise engine_error(e) from None
         return rid, streams
 
+    def _tt(self, parsed: ParsedRequest) -> TokenText:
+        """How this request's logprobs name tokens: by their text, or "token_id:N"."""
+        return TOKEN_IDS if parsed.token_ids_as_text else self.tt
+
     def _echo_text(self, parsed: ParsedRequest, p: int) -> str:
         prompt = parsed.prompts[p]
         if prompt.text is not None:
@@ -193,7 +199,7 @@ class OpenAIServing:
     def _prompt_logprobs(self, parsed: ParsedRequest, out: RequestOutput) -> tuple[dict, int]:
         """The echoed prompt's logprobs object (first token null) -> (object, text offset)."""
         ids = out.prompt_token_ids
-        return completion_logprobs(self.tt, ids, out.prompt_logprobs, 0, len(ids),
+        return completion_logprobs(self._tt(parsed), ids, out.prompt_logprobs, 0, len(ids),
                                    parsed.logprobs, 0)
 
     def _body(self, rid: str, created: int, obj: str, choices: list, usage: dict) -> dict:
@@ -215,7 +221,7 @@ class OpenAIServing:
                     offset, head = len(echo), None
                     if parsed.echo:
                         head, offset = self._prompt_logprobs(parsed, out)
-                    lp, _ = completion_logprobs(self.tt, c.token_ids, c.logprobs, 0, end,
+                    lp, _ = completion_logprobs(self._tt(parsed), c.token_ids, c.logprobs, 0, end,
                                                 parsed.logprobs, offset)
                     lp = concat_logprobs(head, lp) if head is not None else lp
                 text = echo if parsed.echo_only else echo + c.text
@@ -245,7 +251,7 @@ class OpenAIServing:
             n_gen += len(c.token_ids)
             lp = None
             if parsed.logprobs is not None:
-                lp = {"content": chat_logprobs(self.tt, c.token_ids, c.logprobs, 0,
+                lp = {"content": chat_logprobs(self._tt(parsed), c.token_ids, c.logprobs, 0,
                                                len(c.token_ids), parsed.logprobs),
                       "refusal": None}
             message, called = ChatChoiceOutput(parsed.chat).message(c.text)
@@ -335,8 +341,8 @@ class OpenAIServing:
                         lp = None
                         if parsed.logprobs is not None:
                             lp, offsets[idx] = completion_logprobs(
-                                self.tt, c.token_ids, c.logprobs, start, end, parsed.logprobs,
-                                offsets.get(idx, 0))
+                                self._tt(parsed), c.token_ids, c.logprobs, start, end,
+                                parsed.logprobs, offsets.get(idx, 0))
                         finish = c.finish_reason
                         if parsed.echo_only and finish is not None and finish != "abort":
                             finish = "length"
@@ -362,7 +368,7 @@ class OpenAIServing:
         """A chat chunk's choice for the text sent so far; None when it carries nothing."""
         lp = None
         if parsed.logprobs is not None:
-            lp = {"content": chat_logprobs(self.tt, c.token_ids, c.logprobs, start, end,
+            lp = {"content": chat_logprobs(self._tt(parsed), c.token_ids, c.logprobs, start, end,
                                            parsed.logprobs), "refusal": None}
         d = output.delta(tr.sent, c.finish_reason is not None)
         if not d and c.finish_reason is None and not (lp and lp["content"]):

@@ -3,6 +3,8 @@ effect, or refused with a 400 naming it; /tokenize and /detokenize in vLLM's sha
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -99,6 +101,35 @@ def test_truncate_prompt_tokens(server):
     assert cut["choices"][0]["text"] == tail + alone["choices"][0]["text"]  # echo: what ran
     chat = {"messages": MSG, "max_tokens": 1, "truncate_prompt_tokens": 5}
     assert _post(server, CHAT, chat)["usage"]["prompt_tokens"] == 5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids(server, stream):
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (the ids that
+    /detokenize turns into the text), the top alternatives too; chat as well."""
+    body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+            "logprobs": 2, "return_tokens_as_token_ids": True, "stream": stream}
+    if stream:
+        r = httpx.post(server.url + CMPL, json=body, timeout=60)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        tokens = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                  for t in c["choices"][0]["logprobs"]["tokens"]]
+        tops = [d for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for d in c["choices"][0]["logprobs"]["top_logprobs"]]
+    else:
+        choice = _post(server, CMPL, body)["choices"][0]
+        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+        tops = choice["logprobs"]["top_logprobs"]
+    assert len(tokens) == 4 and all(t.startswith("token_id:") for t in tokens)
+    ids = [int(t.split(":")[1]) for t in tokens]
+    assert _post(server, "/detokenize", {"tokens": ids})["prompt"] == text
+    assert all(k.startswith("token_id:") for d in tops for k in d)
+    chat = _post(server, CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True,
+                                "top_logprobs": 1, "return_tokens_as_token_ids": True})
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert all(e["token"].startswith("token_id:") for e in content)
 
 
 def test_max_completion_tokens_wins(server):
