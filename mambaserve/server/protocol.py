@@ -64,9 +64,9 @@ class ParsedRequest:
 
 
 # vLLM's sampling extensions this server does not implement and whose silent omission would
-# change the result (missing logprobs, processors not run): a request
+# change the result (missing logprobs, processors not run, an unconstrained answer): a request
 # that sets one (not null, not empty) gets a 400 naming it. Other unknown fields are ignored.
-UNSUPPORTED_SAMPLING_FIELDS = ("prompt_logprobs", "logits_processors")
+UNSUPPORTED_SAMPLING_FIELDS = ("prompt_logprobs", "logits_processors", "structural_tag")
 
 
 def _refuse_unsupported_sampling(body: dict) -> None:

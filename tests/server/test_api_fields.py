@@ -42,6 +42,7 @@ def _post(server, path, body, status=200):
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     (CHAT, {"messages": MSG, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     (CHAT, {"messages": MSG, "use_beam_search": True}, "use_beam_search"),
+    (CHAT, {"messages": MSG, "structural_tag": "{}"}, "structural_tag"),
 ])
 def test_refused_fields_name_themselves(server, path, body, param):
     assert _post(server, path, body, 400)["error"]["param"] == param
