@@ -520,6 +520,15 @@ stage_fp8() {  # FP8 weights (docs/quantization.md): GPU tests, GEMMs, one batch
     # the few-rows kernel (ops/triton/fp8_gemv.py), the decode default: its GPU tests
     run fp8-gemv-tests 300 $PY -m pytest -q -p no:cacheprovider tests/ops/test_triton_fp8_gemv.py \
         tests/ops/test_triton_fp8_quant.py
+    # the FP8 checkpoints written by the tests, through the engine on the GPU (their calibration
+    # runs transformers: the newer one of .whl/tf when it travels, as stage check does)
+    local tf=""
+    if [ -d .whl/tf ]; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tf \
+            .whl/tf/*.whl && tf=/tmp/tf:
+    fi
+    PYTHONPATH=$tf$PYTHONPATH run fp8-checkpoint-tests 300 $PY -m pytest -q -p no:cacheprovider \
+        $XDIST tests/models/test_fp8_checkpoint.py
     [ -n "${FP8_QUICK:-}" ] || run fp8-audit 120 $MS audit-syncs --device cuda --dtype bfloat16 --quantization fp8
     [ -n "${FP8_QUICK:-}" ] || MAMBASERVE_FP8_GEMV=0 run fp8-scaled-mm-audit 120 $MS audit-syncs \
         --device cuda --dtype bfloat16 --quantization fp8
