@@ -134,3 +134,4 @@ class RowResult:
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None  # sampled token + top-k alternatives
     prompt_logprobs: list[dict[int, float]] | None = None  # one per prompt target of the row
+    prompt_ranks: list[int] | None = None  # each target's vocabulary rank (1: the likeliest)

@@ -255,7 +255,7 @@ class LLMEngine:
             req = Request(rid, text, list(ids), params, seed, max_total,
                           arrival=next(self._counter), index=i, parent_id=request_id)
             if params.prompt_logprobs is not None:
-                req.prompt_logprobs = [None]
+                req.reset_prompt_logprobs()
             masks = [self.grammars.matcher(so)] if so is not None else []
             if params.allowed_token_ids is not None:  # a fixed token mask on the same path
                 masks.append(AllowedTokens(params.allowed_token_ids, vocab))
@@ -398,10 +398,12 @@ class LLMEngine:
             logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
             finish_reason=r.finish_reason, stop_reason=r.stop_reason) for r in children]
         finished = all(r.status is Status.FINISHED for r in children)
+        plp = first.params.prompt_logprobs is not None
         out = RequestOutput(
             request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs is not None
-            else None, outputs=outs, finished=finished, num_cached_tokens=first.num_cached_tokens)
+            prompt_logprobs=list(first.prompt_logprobs) if plp else None, outputs=outs,
+            finished=finished, num_cached_tokens=first.num_cached_tokens,
+            prompt_logprob_ranks=list(first.prompt_ranks) if plp else None)
         if finished:
             for r in children:
                 self.requests.pop(r.request_id, None)

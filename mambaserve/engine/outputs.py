@@ -29,3 +29,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # with prompt_logprobs: each prompt token's rank in the vocabulary at its position (1: the
+    # likeliest; ties rank it last), None for the first token, as vLLM's Logprob.rank
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -28,6 +28,7 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank
     # tokens whose effect is in the state slot / KV pages once every scheduled forward has run
     # (advanced when a row is scheduled, so the next step can be planned before this one ran)
     num_computed: int = 0
@@ -59,6 +60,11 @@ class Request:
     # preemption: the prefill of a resumed request recomputes all_token_ids[:recompute_len]
     recompute_len: int = 0
     num_preemptions: int = 0
+
+    def reset_prompt_logprobs(self) -> None:
+        """No prompt logprobs yet (the first token's entry is None): the prefill computes them
+        (again, after a preemption before its prompt was done)."""
+        self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
     @property
     def prompt_len(self) -> int:

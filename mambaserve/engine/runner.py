@@ -32,7 +32,7 @@ from mambaserve.engine.batch import Batch, RowResult
 from mambaserve.engine.penalty_state import PenaltyState
 from mambaserve.engine.sampling_metadata import SamplingMetadata, SamplingPlan
 from mambaserve.host_upload import upload
-from mambaserve.layers.sampler import compute_logprobs, sample
+from mambaserve.layers.sampler import compute_logprobs, sample, token_ranks
 from mambaserve.metadata import ForwardMetadata, HostMetadata, plan_metadata
 
 FEED = "feed."  # names of the token-feed arrays inside a shared upload
@@ -229,8 +229,9 @@ class ModelRunner:
 
     def _sample(self, sampling: SamplingMetadata, logits: torch.Tensor,
                 sample_slots: torch.Tensor) -> list[torch.Tensor]:
-        """Sampled tokens and logprobs (and prompt logprobs), flattened as float64 tensors; the
-        sampled tokens also go to the token buffer at their rows' state slots."""
+        """Sampled tokens and logprobs (and prompt logprobs with their targets' vocabulary
+        ranks), flattened as float64 tensors (exact for ids and ranks); the sampled tokens also
+        go to the token buffer at their rows' state slots."""
         plan, parts = sampling.plan, []
         if plan.sample_rows:
             rows = logits[:len(plan.sample_rows)] if plan.samples_lead else \
@@ -244,9 +245,9 @@ class ModelRunner:
                 parts += [out.topk_ids.double().flatten(), out.topk_logprobs.double().flatten()]
         if plan.prompt_rows:
             kp = plan.num_prompt_logprobs
-            lp, top_ids, top_lp = compute_logprobs(
-                logits.index_select(0, sampling.prompt_logit_idx), sampling.prompt_targets, kp)
-            parts += [lp.double()]
+            rows = logits.index_select(0, sampling.prompt_logit_idx)
+            lp, top_ids, top_lp = compute_logprobs(rows, sampling.prompt_targets, kp)
+            parts += [lp.double(), token_ranks(rows, sampling.prompt_targets).double()]
             if kp:
                 parts += [top_ids.double().flatten(), top_lp.double().flatten()]
         return parts
@@ -276,7 +277,7 @@ class ModelRunner:
                     _add_top(res.top_logprobs, top_ids[j, :want], top_lps[j, :want])
         Q, kp = plan.num_prompt_targets, plan.num_prompt_logprobs
         if Q:
-            q_lp = take(Q)
+            q_lp, q_rank = take(Q), take(Q)
             q_ids, q_top = (take(Q, kp), take(Q, kp)) if kp else (None, None)
             q = 0
             for i, n in plan.prompt_rows:
@@ -288,6 +289,7 @@ class ModelRunner:
                         _add_top(d, q_ids[j, :want], q_top[j, :want])
                     dicts.append(d)
                 results[i].prompt_logprobs = dicts
+                results[i].prompt_ranks = [int(r) for r in q_rank[q:q + n]]
                 q += n
         return results
 

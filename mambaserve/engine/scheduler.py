@@ -192,7 +192,7 @@ class Scheduler:
         req.num_computed = 0
         req.recompute_len = len(req.all_token_ids)
         if req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.prompt_len:
-            req.prompt_logprobs = [None]  # recomputed with the prompt
+            req.reset_prompt_logprobs()  # recomputed with the prompt
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -235,6 +235,7 @@ class Scheduler:
             changed.append(req)
             if res.prompt_logprobs:
                 req.prompt_logprobs.extend(res.prompt_logprobs)
+                req.prompt_ranks.extend(res.prompt_ranks)
             if res.token_id is None:
                 continue
             req.output_token_ids.append(res.token_id)

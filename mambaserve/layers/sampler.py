@@ -180,6 +180,22 @@ def top_logprobs(logits: torch.Tensor, lse: torch.Tensor, num_logprobs: int
     return ids, vals - lse[:, None]  # same order as log_softmax
 
 
+RANK_BLOCK_ROWS = 256  # rows per comparison in token_ranks: a [256, V] bool at a time
+
+
+def token_ranks(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The vocabulary rank of each target: logits [N, V], token_ids [N] -> [N] int64, the
+    number of entries of the row at least as large as the target's logit (1: the likeliest; a
+    tie ranks the target last among the equals), as vLLM ranks. Compares the raw logits (the
+    order of their logprobs), in blocks of rows whose sizes are host ints: no sync."""
+    ids = token_ids.to(torch.int64)[:, None]
+    out = [torch.zeros(0, dtype=torch.int64, device=logits.device)]
+    for s in range(0, logits.shape[0], RANK_BLOCK_ROWS):
+        rows = logits[s:s + RANK_BLOCK_ROWS]
+        out.append((rows >= rows.gather(1, ids[s:s + RANK_BLOCK_ROWS])).sum(-1))
+    return out[-1] if len(out) == 2 else torch.cat(out)
+
+
 def process_logits(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The token mask, logit_bias and penalties of the rows that use them (out of place; `x`
     itself when the step uses none). Resets the penalty rows handed out this step first."""

@@ -1,7 +1,8 @@
 """Logprobs in OpenAI's shapes: the completions API's {tokens, token_logprobs, top_logprobs,
 text_offset} (generated tokens, and with `echo` the prompt's tokens first, the first one null)
 and the chat API's content list. A logprob below -9999 (or -inf) is sent as -9999.0, as vLLM
-does: JSON has no infinity."""
+does: JSON has no infinity. And vLLM's `prompt_logprobs`: per prompt token (the first null), the
+token and its top alternatives keyed by token id, each with its logprob, rank and text."""
 
 from __future__ import annotations
 
@@ -79,3 +80,28 @@ def chat_logprobs(tt: TokenText, token_ids: list[int], lps: list[dict[int, float
         e["top_logprobs"] = [_lp_entry(tt(t), lp) for t, lp in _top(d, k)]
         out.append(e)
     return out
+
+
+def prompt_logprobs(text, token_ids: list[int], lps: list[dict[int, float] | None],
+                    ranks: list[int | None], k: int) -> list:
+    """vLLM's `prompt_logprobs`: for each prompt token, None (the first: nothing precedes it) or
+    {"<id>": {"logprob", "rank", "decoded_token"}} with the token itself first, then its top `k`
+    alternatives ranked 1..k; the token's rank is its vocabulary rank (`ranks`: ties rank it
+    last), or its place among the alternatives when it is one. `text(id)`: a token's text (None
+    without a tokenizer); -inf is sent as -9999.0, as vLLM does."""
+    out: list = []
+    for tid, d, rank in zip(token_ids, lps, ranks):
+        if d is None:
+            out.append(None)
+            continue
+        top = _top(d, k)
+        place = next((i for i, (t, _) in enumerate(top, start=1) if t == tid), rank)
+        entries = {str(tid): _prompt_entry(d[tid], place, text(tid))}
+        for i, (t, v) in enumerate(top, start=1):
+            entries.setdefault(str(t), _prompt_entry(v, i, text(t)))
+        out.append(entries)
+    return out
+
+
+def _prompt_entry(lp: float, rank: int, text: str | None) -> dict:
+    return {"logprob": FLOOR if lp == float("-inf") else lp, "rank": rank, "decoded_token": text}

@@ -61,12 +61,15 @@ class ParsedRequest:
     chat: ChatOutputSpec | None = None  # how a chat choice's text becomes its message
     # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", not by their text
     token_ids_as_text: bool = False
+    # vLLM's prompt_logprobs in its own shape (completions: per choice, chat: top level): the
+    # top alternatives per prompt token (None: no such field)
+    prompt_logprobs: int | None = None
 
 
 # vLLM's sampling extensions this server does not implement and whose silent omission would
 # change the result (missing logprobs, processors not run, an unconstrained answer): a request
 # that sets one (not null, not empty) gets a 400 naming it. Other unknown fields are ignored.
-UNSUPPORTED_SAMPLING_FIELDS = ("prompt_logprobs", "logits_processors", "structural_tag")
+UNSUPPORTED_SAMPLING_FIELDS = ("logits_processors", "structural_tag")
 
 
 def _refuse_unsupported_sampling(body: dict) -> None:
@@ -132,6 +135,21 @@ def _sampling(body: dict, *, max_tokens, logprobs: int | None, vocab_size: int
     except ValueError as e:
         raise APIError(str(e), code="invalid_value") from None
     return params, n, stop
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs` (0-20 alternatives per prompt token). As vLLM: refused with
+    `stream` unless 0 (a stream has no place for them; 0 is accepted and sends none), and -1
+    (the whole vocabulary) is over the maximum."""
+    if body.get("prompt_logprobs") == -1:
+        raise APIError(f"'prompt_logprobs' -1 (the whole vocabulary) is more than this server's "
+                       f"maximum of {MAX_LOGPROBS}", param="prompt_logprobs",
+                       code="invalid_value")
+    k = get_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if stream and k:
+        raise APIError("'prompt_logprobs' is not available with 'stream': true (only 0)",
+                       param="prompt_logprobs", code="invalid_value")
+    return None if stream else k
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -228,8 +246,14 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
     stream = get_bool(body, "stream", False)
     params, n, stop = _sampling(body, max_tokens=max_tokens or 1, logprobs=logprobs,
                                 vocab_size=vocab_size)
-    if echo and logprobs is not None:  # the prompt's tokens get their logprobs too
-        params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    # the prompt's logprobs: asked for, or echoed with `logprobs` (then vLLM returns them as
+    # prompt_logprobs too); the engine computes enough alternatives for both
+    plp = _prompt_logprobs(body, stream)
+    if echo and logprobs is not None:
+        plp = logprobs if plp is None else plp
+        params = dataclasses.replace(params, prompt_logprobs=max(plp, logprobs))
+    elif plp is not None:
+        params = dataclasses.replace(params, prompt_logprobs=plp)
     # ----
     best_of = get_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
@@ -242,7 +266,8 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
     get_str(body, "user")
     return ParsedRequest(model, prompts, params, n, stream, include, continuous, echo,
                          logprobs, stop, echo_only=echo_only,
-                         token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False))
+                         token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False),
+                         prompt_logprobs=None if stream else plp)
 
 
 def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
@@ -263,6 +288,9 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
     stream = get_bool(body, "stream", False)
     params, n, stop = _sampling(body, max_tokens=max_tokens, logprobs=logprobs,
                                 vocab_size=vocab_size)
+    plp = _prompt_logprobs(body, stream)
+    if plp is not None:
+        params = dataclasses.replace(params, prompt_logprobs=plp)
     # ---- issue 23 (api-server): tool_choice "required" / named enforced (tool_choice.py) ----
     params = _with_tool_constraint(params, chat, config)
     text = render(tokenizer, chat)
@@ -278,7 +306,8 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
     get_str(body, "user")
     return ParsedRequest(model, [Prompt(text, ids)], params, n, stream, include, continuous,
                          False, logprobs, stop, chat=chat.output_spec(config, text),
-                         token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False))
+                         token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False),
+                         prompt_logprobs=plp)
 
 
 # ---- issue 23 (api-server) -------------------------------------------------------------------

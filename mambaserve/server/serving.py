@@ -24,6 +24,7 @@ from mambaserve.server.logprobs import (
     chat_logprobs,
     completion_logprobs,
     concat_logprobs,
+    prompt_logprobs,
 )
 from mambaserve.server.protocol import ParsedRequest
 
@@ -202,6 +203,14 @@ class OpenAIServing:
         return completion_logprobs(self._tt(parsed), ids, out.prompt_logprobs, 0, len(ids),
                                    parsed.logprobs, 0)
 
+    def _vllm_prompt_logprobs(self, parsed: ParsedRequest, out: RequestOutput) -> list:
+        """vLLM's prompt_logprobs of one prompt. Its tokens' texts are their own (vLLM's
+        decoded_token, which return_tokens_as_token_ids leaves alone; null without a
+        tokenizer)."""
+        text = self.tt if self.engine.tokenizer is not None else (lambda t: None)
+        return prompt_logprobs(text, out.prompt_token_ids, out.prompt_logprobs,
+                               out.prompt_logprob_ranks, parsed.prompt_logprobs)
+
     def _body(self, rid: str, created: int, obj: str, choices: list, usage: dict) -> dict:
         return {"id": rid, "object": obj, "created": created, "model": self.model_name,
                 "choices": choices, "system_fingerprint": None, "usage": usage}
@@ -213,6 +222,9 @@ class OpenAIServing:
         for p, out in enumerate(outs):
             n_prompt += len(out.prompt_token_ids)
             echo = self._echo_text(parsed, p) if parsed.echo else ""
+            plp = None
+            if parsed.prompt_logprobs is not None:
+                plp = self._vllm_prompt_logprobs(parsed, out)
             for c in out.outputs:
                 end = 0 if parsed.echo_only else len(c.token_ids)
                 n_gen += end
@@ -229,6 +241,8 @@ class OpenAIServing:
                     else c.finish_reason
                 choices.append({"index": p * parsed.n + c.index, "text": text,
                                 "logprobs": lp, "finish_reason": finish})
+                if plp is not None:  # vLLM's extension, in every choice of the prompt
+                    choices[-1]["prompt_logprobs"] = plp
         choices.sort(key=lambda ch: ch["index"])
         return self._body(rid, created, "text_completion", choices, _usage(n_prompt, n_gen))
 
@@ -257,8 +271,11 @@ class OpenAIServing:
             message, called = ChatChoiceOutput(parsed.chat).message(c.text)
             choices.append({"index": c.index, "message": message, "logprobs": lp,
                             "finish_reason": _chat_finish(c.finish_reason, called)})
-        return self._body(rid, created, "chat.completion", choices,
+        body = self._body(rid, created, "chat.completion", choices,
                           _usage(len(out.prompt_token_ids), n_gen))
+        if parsed.prompt_logprobs is not None:  # vLLM's extension, at the top level
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(parsed, out)
+        return body
 
     async def chat(self, parsed: ParsedRequest, receive) -> dict | AsyncIterator[str]:
         rid, streams = await self.submit(parsed, "chatcmpl")

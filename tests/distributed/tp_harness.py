@@ -66,3 +66,8 @@ def assert_same(a: dict, b: dict) -> None:
                 assert da.keys() == db.keys()
                 for t in da:
                     assert close(da[t], db[t]), (rid, t, da[t], db[t])
+            # ranks over the whole vocabulary (rank 0 holds the gathered logits); two tokens
+            # within rounding of each other could swap places, nothing more
+            ra, rb = oa.prompt_logprob_ranks, ob.prompt_logprob_ranks
+            assert len(ra) == len(oa.prompt_logprobs) and ra[0] is None and rb[0] is None
+            assert all(abs(x - y) <= 1 for x, y in zip(ra[1:], rb[1:], strict=True)), (ra, rb)

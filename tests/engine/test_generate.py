@@ -114,6 +114,25 @@ def test_prompt_logprobs_with_top_alternatives(tiny_llm, hf_model):
             assert abs(d[t] - ref[i - 1, t].item()) < 1e-4
 
 
+def test_prompt_logprob_ranks_are_vocabulary_ranks(tiny_llm, hf_model):
+    """Each prompt token's rank (RequestOutput.prompt_logprob_ranks) is the number of vocabulary
+    entries at least as likely as it under a reference forward, across prefill chunks."""
+    ids = rand_prompts([40], seed=5)[0]  # two chunks of tiny_llm's 24-token budget
+    out = tiny_llm.generate({"prompt_token_ids": ids},
+                            SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    ranks = out.prompt_logprob_ranks
+    assert len(ranks) == len(ids) and ranks[0] is None
+    assert [list(d) for d in out.prompt_logprobs[1:]] == [[t] for t in ids[1:]]  # unchanged
+    for i in range(1, len(ids)):
+        row, lp = ref[i - 1], ref[i - 1, ids[i]]
+        # the brute-force rank, up to float rounding between the two forwards
+        lo, hi = int((row > lp + 1e-4).sum()) + 1, int((row >= lp - 1e-4).sum())
+        assert lo <= ranks[i] <= hi, (i, ranks[i], lo, hi)
+    assert max(ranks[1:]) > 20 and min(ranks[1:]) >= 1  # random tokens: far from the top
+
+
 def test_logprobs_zero_returns_only_the_sampled_token(tiny_llm):
     p = {"prompt_token_ids": rand_prompts([6], seed=11)[0]}
     out = tiny_llm.generate(p, SamplingParams(temperature=0.7, seed=3, max_tokens=4, logprobs=0,

@@ -112,6 +112,10 @@ def test_prompt_logprobs_survive_a_preemption(tiny_ckpt):
         assert len(g.prompt_logprobs) == len(r.prompt_logprobs)
         for a, b in zip(g.prompt_logprobs[1:], r.prompt_logprobs[1:]):
             assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-3 for k in a)
+        # the ranks stay aligned with the prompt: rank 1 where the token is its top alternative
+        ranks = g.prompt_logprob_ranks
+        assert len(ranks) == len(g.prompt_logprobs) and ranks[0] is None
+        assert [r == 1 for r in ranks[1:]] == [len(d) == 1 for d in g.prompt_logprobs[1:]]
 
 
 def test_preempted_request_goes_to_the_front_and_resumes(tiny_ckpt):

@@ -37,7 +37,7 @@ def _post(server, path, body, status=200):
     (CHAT, {"messages": MSG, "allowed_token_ids": "5"}, "allowed_token_ids"),
     (CHAT, {"messages": MSG, "bad_words": "Hello"}, "bad_words"),
     (CMPL, {"prompt": "x", "bad_words": ["a", " "]}, "bad_words"),
-    (CMPL, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    (CMPL, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     (CHAT, {"messages": MSG, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
