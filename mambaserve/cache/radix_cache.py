@@ -6,9 +6,19 @@ position where a snapshot was taken; blocks are therefore `interval` tokens long
 the SSD chunk size and of the KV page size), and a match is the deepest node on the prompt's path
 that owns a snapshot slot. Every node carries the KV pages of its block.
 
+Cache salt (vLLM's `cache_salt`): a request that carries a salt puts it in front of its first
+block's edge key, (salt, *block); unsalted first blocks and every deeper block are keyed by their
+tokens alone. A salt is a string and a token id an int, so a salted key never equals an
+unsalted one, and two salts never share a first block: the tree splits at the root into one
+subtree per salt (plus the unsalted one), and a path (hence every hit, page and snapshot under
+it) is reachable only with the salt it was inserted with. Eviction, locks and metrics are blind
+to the salt: one LRU order over all subtrees.
+
 Invariants (checked by `check_integrity`)
 | what                 | rule                                                                 |
 |----------------------|----------------------------------------------------------------------|
+| node.key             | one block of `interval` token ids; at depth 1 it may start with the  |
+|                      | salt (a str), nowhere else                                           |
 | node.pages           | exactly interval / page_size pages; the tree holds one reference     |
 | node.slot            | -1 or a state slot owned by the tree alone, holding the state after  |
 |                      | the node's whole path                                                |
@@ -39,14 +49,14 @@ from mambaserve.cache.state_pool import StatePool
 
 @dataclass(eq=False)
 class Node:
-    key: tuple[int, ...]
+    key: tuple  # the block's token ids; (salt, *token ids) for a salted first block
     parent: Node | None
     depth: int  # blocks from the root
     pages: list[int] = field(default_factory=list)
     slot: int = -1
     lock: int = 0
     last_access: int = 0
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    children: dict[tuple, Node] = field(default_factory=dict)
     evicted: bool = False  # removed from the tree (its heap entries are dead)
 
 
@@ -86,13 +96,18 @@ class PrefixCache:
             self._heap = [(n.last_access, -n.depth, next(self._pushes), n) for n in self.nodes()]
             heapq.heapify(self._heap)
 
-    def match(self, tokens: list[int], max_len: int) -> Match:
-        """Longest block path of `tokens[:max_len]` in the tree; the hit is its deepest node
-        with a snapshot."""
+    def _key(self, tokens: list[int], d: int, salt: str | None) -> tuple:
+        """The edge key of block `d` of `tokens`: its token ids, behind the salt at d = 0."""
+        block = tuple(tokens[d * self.interval:(d + 1) * self.interval])
+        return block if d or salt is None else (salt, *block)
+
+    def match(self, tokens: list[int], max_len: int, salt: str | None = None) -> Match:
+        """Longest block path of `tokens[:max_len]` in the tree (in `salt`'s subtree); the hit
+        is its deepest node with a snapshot."""
         node, path, hit = self.root, [], 0
         now = self._tick()
         for d in range(max_len // self.interval):
-            child = node.children.get(tuple(tokens[d * self.interval:(d + 1) * self.interval]))
+            child = node.children.get(self._key(tokens, d, salt))
             if child is None:
                 break
             self._touch(child, now)
@@ -125,17 +140,18 @@ class PrefixCache:
         return [p for n in nodes for p in n.pages]
 
     # ---- insertion -------------------------------------------------------------------------
-    def insert(self, tokens: list[int], pages: list[int], slot: int) -> Node:
+    def insert(self, tokens: list[int], pages: list[int], slot: int,
+               salt: str | None = None) -> Node:
         """Add the blocks of `tokens` (a whole number of blocks) with the request's KV `pages`
-        (covering at least those tokens); hand `slot` (the state after all of `tokens`, or -1)
-        to the last node. A slot the tree already has a snapshot for is freed. Returns the
-        last node."""
+        (covering at least those tokens) under `salt`'s subtree; hand `slot` (the state after
+        all of `tokens`, or -1) to the last node. A slot the tree already has a snapshot for is
+        freed. Returns the last node."""
         n_blocks = len(tokens) // self.interval
         if n_blocks * self.interval != len(tokens) or n_blocks == 0:
             raise ValueError("insert takes a positive whole number of blocks")
         node, now = self.root, self._tick()
         for d in range(n_blocks):
-            key = tuple(tokens[d * self.interval:(d + 1) * self.interval])
+            key = self._key(tokens, d, salt)
             child = node.children.get(key)
             if child is None:
                 block_pages = pages[d * self.pages_per_block:(d + 1) * self.pages_per_block]
@@ -238,6 +254,9 @@ class PrefixCache:
         refs = [0] * self.kv_pool.num_pages
         for n in nodes:
             assert len(n.pages) == self.pages_per_block, "node without a whole block of pages"
+            salted = isinstance(n.key[0], str)
+            assert len(n.key) == self.interval + salted and (n.depth == 1 or not salted), \
+                "a key is one block of tokens, behind a salt only at depth 1"
             assert n.parent is not None and n.parent.children.get(n.key) is n, "broken tree link"
             for p in n.pages:
                 refs[p] += 1

@@ -9,6 +9,7 @@ from tqdm import tqdm
 from mambaserve.config import EngineConfig
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.engine.outputs import RequestOutput
+from mambaserve.engine.prompt import prompt_cache_salt
 from mambaserve.engine.sampling_params import SamplingParams
 
 
@@ -49,7 +50,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of them. Returns one
+        """prompts: a string, a token-id list, a {"prompt_token_ids": [...]} or {"prompt": "..."}
+        dict (either may add "cache_salt": a non-empty string; the prefix cache shares entries
+        only between prompts of the same salt, as vLLM's), or a list of them. Returns one
         RequestOutput per prompt, in order. All prompts are validated before any is queued."""
         if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
@@ -66,7 +69,8 @@ class LLM:
                 sp.validate()
             truncate = sp.truncate_prompt_tokens if isinstance(sp, SamplingParams) else None
             text, token_ids = self.engine.validate_prompt(p, truncate)
-            checked.append({"prompt": text, "prompt_token_ids": token_ids})
+            checked.append({"prompt": text, "prompt_token_ids": token_ids,
+                            "cache_salt": prompt_cache_salt(p)})
         ids: list[str] = []
         try:
             for p, sp in zip(checked, params):

@@ -23,7 +23,7 @@ from mambaserve.cache.radix_cache import PrefixCache
 from mambaserve.config import EngineConfig, ModelConfig, resolve_device
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
-from mambaserve.engine.prompt import prompt_ids, truncated, validate_prompt_ids
+from mambaserve.engine.prompt import prompt_cache_salt, prompt_ids, truncated, validate_prompt_ids
 from mambaserve.engine.rank_setup import build_rank
 from mambaserve.engine.request import Request, Status
 from mambaserve.engine.runner import StepHandle
@@ -237,6 +237,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate()
         text, ids = self.validate_prompt(prompt, params.truncate_prompt_tokens)
+        salt = prompt_cache_salt(prompt)  # a dict's "cache_salt"; its n completions share it
         params.check_vocab(self.model_config.vocab_size)
         so = params.structured_output
         if so is not None:
@@ -253,7 +254,8 @@ class LLMEngine:
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(62)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             req = Request(rid, text, list(ids), params, seed, max_total,
-                          arrival=next(self._counter), index=i, parent_id=request_id)
+                          arrival=next(self._counter), index=i, parent_id=request_id,
+                          cache_salt=salt)
             if params.prompt_logprobs is not None:
                 req.reset_prompt_logprobs()
             masks = [self.grammars.matcher(so)] if so is not None else []

@@ -1,9 +1,10 @@
 """Prompt checks shared by the Python API (`LLMEngine.validate_prompt`) and the HTTP server.
 
-`prompt_ids` turns the engine's prompt shapes (a string, a token-id list, or a
-`{"prompt_token_ids": [...], "prompt": ...}` dict) into (text, token ids); `validate_prompt_ids`
-checks the ids against the model. Both raise `PromptError`, a ValueError whose `code` names the
-problem in the OpenAI error vocabulary, so the server answers with the same message.
+`prompt_ids` turns the engine's prompt shapes (a string, a token-id list, or a dict like vLLM's
+TokensPrompt `{"prompt_token_ids": [...], "prompt": ...}` or TextPrompt `{"prompt": "..."}`) into
+(text, token ids); `validate_prompt_ids` checks the ids against the model; `prompt_cache_salt`
+reads a dict's "cache_salt" (vLLM's key). All raise `PromptError`, a ValueError whose `code`
+names the problem in the OpenAI error vocabulary, so the server answers with the same message.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def prompt_ids(prompt, tokenizer) -> tuple[str | None, list]:
     model has none). The ids are not checked here: see `validate_prompt_ids`."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" not in prompt:
-            raise PromptError("a dict prompt needs 'prompt_token_ids'")
+            if isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt: tokenized here
+                return prompt_ids(prompt["prompt"], tokenizer)
+            raise PromptError("a dict prompt needs 'prompt_token_ids' (or a string 'prompt')")
         ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
         if not isinstance(ids, (list, tuple)):
             raise PromptError(f"'prompt_token_ids' must be a list of token ids, got "
@@ -39,6 +42,17 @@ def prompt_ids(prompt, tokenizer) -> tuple[str | None, list]:
         return None, list(prompt)
     raise PromptError(f"a prompt is a string, a list of token ids or {{'prompt_token_ids': "
                       f"[...]}}, got {type(prompt).__name__}")
+
+
+def prompt_cache_salt(prompt) -> str | None:
+    """The "cache_salt" of a dict prompt (vLLM's key): the prefix cache shares blocks only
+    between requests of the same salt. None when absent or null, and for the other prompt
+    shapes; anything but a non-empty string is refused."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        got = "an empty string" if isinstance(salt, str) else type(salt).__name__
+        raise PromptError(f"'cache_salt' must be a non-empty string, got {got}")
+    return salt
 
 
 def truncated(text: str | None, ids: list, keep: int | None, max_model_len: int, tokenizer

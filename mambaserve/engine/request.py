@@ -46,6 +46,9 @@ class Request:
     # (structured/bad_words.BadWords; several: structured/combined_mask.CombinedMask)
     grammar: object | None = None
     # prefix cache (see engine/snapshot_policy.py)
+    # vLLM's cache_salt: shares cached prefixes only with requests of the same salt (None:
+    # with unsalted requests only); part of the first block's key in cache/radix_cache.py
+    cache_salt: str | None = None
     cache_path: list = field(default_factory=list)  # matched tree nodes, locked while running
     # snapshots handed to the tree as soon as their forward ran: position -> slot (-1 = not
     # reserved yet); the divergence point and the prompt's last block end

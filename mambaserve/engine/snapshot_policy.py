@@ -24,6 +24,10 @@ applied, so each is accounted to the row that writes it (`after_forward(req, row
 that ends while a step holding one of its rows is in flight is released after that step
 (engine/scheduler.py). A preempted request is released like a finished one: its latest snapshot
 and blocks enter the tree, and its recompute (prompt + generated tokens) matches them.
+
+Cache salt: every match and insert of a request passes its `cache_salt` (None: unsalted), so it
+hits, extends and hands snapshots only to the tree's subtree of that salt (cache/radix_cache.py);
+the n > 1 completions of one request and a preempted request's recompute carry the same salt.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class SnapshotPolicy:
     def match(self, req: Request) -> tuple[list[Node], int]:
         """The matched path (to lock) and the hit length in tokens."""
         n = req.prefill_len
-        m = self.cache.match(req.all_token_ids[:n], n - 1)
+        m = self.cache.match(req.all_token_ids[:n], n - 1, req.cache_salt)
         if req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.prompt_len:
             # every prompt token's logprob is asked for: compute them all (no hit), but still
             # lock the path and leave snapshots for later requests
@@ -120,7 +124,7 @@ class SnapshotPolicy:
         and the request's latest snapshot is at the position the row wrote."""
         for pos, slot in row.snapshots:
             if slot >= 0 and req.tree_snapshots.get(pos) == slot:
-                self.cache.insert(req.all_token_ids[:pos], req.pages, slot)
+                self.cache.insert(req.all_token_ids[:pos], req.pages, slot, req.cache_salt)
                 del req.tree_snapshots[pos]
             elif slot >= 0 and slot == req.pending_slot:
                 req.pending_pos = pos
@@ -132,7 +136,7 @@ class SnapshotPolicy:
             # (an aborted request's last row may have fed a token that was never read back)
             if 0 < req.pending_pos <= len(req.all_token_ids):
                 self.cache.insert(req.all_token_ids[: req.pending_pos], req.pages,
-                                  req.pending_slot)
+                                  req.pending_slot, req.cache_salt)
             else:
                 self.state_pool.free(req.pending_slot)
             req.pending_slot, req.pending_pos = -1, 0

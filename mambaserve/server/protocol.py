@@ -64,6 +64,8 @@ class ParsedRequest:
     # vLLM's prompt_logprobs in its own shape (completions: per choice, chat: top level): the
     # top alternatives per prompt token (None: no such field)
     prompt_logprobs: int | None = None
+    # vLLM's cache_salt: prefix-cache entries are shared only with requests of the same salt
+    cache_salt: str | None = None
 
 
 # vLLM's sampling extensions this server does not implement and whose silent omission would
@@ -188,6 +190,17 @@ def _truncation(body: dict, max_model_len: int) -> int | None:
     return k
 
 
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt`: a non-empty string (None when absent or null). With prefix caching
+    off it is accepted and changes nothing, as in vLLM."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise APIError(f"'cache_salt' must be a non-empty string, got {_describe(salt)}",
+                       param="cache_salt",
+                       code="invalid_value" if isinstance(salt, str) else "invalid_type")
+    return salt
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -267,7 +280,7 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
     return ParsedRequest(model, prompts, params, n, stream, include, continuous, echo,
                          logprobs, stop, echo_only=echo_only,
                          token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False),
-                         prompt_logprobs=None if stream else plp)
+                         prompt_logprobs=None if stream else plp, cache_salt=_cache_salt(body))
 
 
 def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
@@ -307,7 +320,7 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
     return ParsedRequest(model, [Prompt(text, ids)], params, n, stream, include, continuous,
                          False, logprobs, stop, chat=chat.output_spec(config, text),
                          token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False),
-                         prompt_logprobs=plp)
+                         prompt_logprobs=plp, cache_salt=_cache_salt(body))
 
 
 # ---- issue 23 (api-server) -------------------------------------------------------------------

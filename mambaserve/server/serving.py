@@ -178,7 +178,8 @@ class OpenAIServing:
     async def submit(self, parsed: ParsedRequest, prefix: str) -> tuple[str, list[RequestStream]]:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         items = [(rid if len(parsed.prompts) == 1 else f"{rid}-p{i}",
-                  {"prompt_token_ids": p.token_ids, "prompt": p.text}, parsed.params)
+                  {"prompt_token_ids": p.token_ids, "prompt": p.text,
+                   "cache_salt": parsed.cache_salt}, parsed.params)
                  for i, p in enumerate(parsed.prompts)]
         try:
             streams = await self.engine.add_requests(items)

@@ -104,9 +104,11 @@ def _reference_victim(cache, need_pages):
     return min(cands, key=lambda n: (n.last_access, -n.depth), default=None)
 
 
-def test_eviction_order_matches_a_walk_over_the_tree(tiny_ckpt):
+@pytest.mark.parametrize("salts", [(None,), (None, "a", "b")])
+def test_eviction_order_matches_a_walk_over_the_tree(tiny_ckpt, salts):
     """Random inserts, matches, locks and evictions for slots or pages: every victim the heap
-    picks is the one the walk picks, and the tree stays consistent."""
+    picks is the one the walk picks, and the tree stays consistent; with salts, over several
+    salted subtrees at once."""
     import random
 
     cfg = ModelConfig.from_hf(tiny_ckpt)
@@ -130,12 +132,14 @@ def test_eviction_order_matches_a_walk_over_the_tree(tiny_ckpt):
     for _ in range(600):
         op = rng.random()
         blocks = [rng.randrange(3) for _ in range(rng.randrange(1, 5))]
+        salt = rng.choice(salts) if len(salts) > 1 else None
         if op < 0.4 and kv.num_free >= 2 * len(blocks) and sp.num_free:
             pages = kv.allocate(2 * len(blocks))
-            cache.insert(seq(*blocks), pages, sp.allocate() if rng.random() < 0.7 else -1)
+            cache.insert(seq(*blocks), pages, sp.allocate() if rng.random() < 0.7 else -1,
+                         salt)
             kv.release(pages)
         elif op < 0.6:
-            path = cache.match(seq(*blocks, 9), 8 * len(blocks) + 1).path
+            path = cache.match(seq(*blocks, 9), 8 * len(blocks) + 1, salt).path
             if path and rng.random() < 0.3:
                 cache.lock(path)
                 locked.append(path)
@@ -148,6 +152,61 @@ def test_eviction_order_matches_a_walk_over_the_tree(tiny_ckpt):
         cache.check_integrity([], [], locked)
         assert len(cache._heap) <= 4 * len(cache.nodes()) + 65
     assert victims > 100
+    if len(salts) > 1:  # every salt (and no salt) had its own subtree at the root
+        assert {n.key[0] if isinstance(n.key[0], str) else None
+                for n in cache.nodes() if n.depth == 1} <= set(salts)
+
+
+def test_salted_first_blocks_partition_the_tree(cache):
+    """Same tokens, different salts: separate subtrees, each hit only with its own salt."""
+    slots = {}
+    for salt in (None, "a"):
+        pages, slot = owned(cache, 4)
+        cache.insert(seq(1, 2), pages, slot, salt)
+        cache.kv_pool.release(pages)
+        slots[salt] = slot
+    cache.check_integrity([], [], [])
+    assert len(cache.nodes()) == 4 and cache.num_snapshots == 2
+    assert sorted(map(repr, cache.root.children)) == sorted(
+        [repr(tuple(seq(1))), repr(("a", *seq(1)))])
+    deeper = [n for n in cache.nodes() if n.depth == 2]
+    assert [n.key for n in deeper] == [tuple(seq(2))] * 2  # the salt is in the first key only
+    for salt in (None, "a"):
+        m = cache.match(seq(1, 2, 3), 24, salt)
+        assert m.hit_depth == 2 and m.path[1].slot == slots[salt]
+        assert m.path[0].parent is cache.root
+    for salt in ("b", "A", "a "):  # any other salt: nothing shared, not even a block
+        assert cache.match(seq(1, 2, 3), 24, salt).path == []
+    # a salted insert extends only its own subtree
+    pages, slot = owned(cache, 6)
+    cache.insert(seq(1, 2, 3), pages, slot, "a")
+    cache.kv_pool.release(pages)
+    assert cache.match(seq(1, 2, 3, 4), 32, "a").hit_depth == 3
+    assert cache.match(seq(1, 2, 3, 4), 32).hit_depth == 2
+    cache.check_integrity([], [], [])
+
+
+def test_salted_nodes_are_evicted_and_locked_like_any(cache):
+    """One LRU order over every subtree; a lock holds a salted path; evicting all of it leaves
+    the pools whole."""
+    for salt in ("a", None, "b"):
+        pages, slot = owned(cache, 2)
+        cache.insert(seq(7), pages, slot, salt)
+        cache.kv_pool.release(pages)
+    cache.match(seq(7, 0), 16, "a")  # touch "a": the unsalted entry is now the oldest
+    assert cache.evict(slots=cache.state_pool.num_free + 1)
+    assert cache.match(seq(7, 0), 16).path == []
+    assert cache.match(seq(7, 0), 16, "a").hit_depth == 1
+    locked = cache.match(seq(7, 0), 16, "b").path
+    cache.lock(locked)
+    assert not cache.evict(slots=cache.state_pool.num_slots)  # "b" is locked: stays
+    cache.check_integrity([], [], [locked])
+    assert [n.key[0] for n in cache.nodes()] == ["b"]
+    cache.unlock(locked)
+    assert cache.evict(slots=cache.state_pool.num_slots, pages=20)
+    assert cache.nodes() == [] and cache.kv_pool.num_free == 20
+    assert cache.stats()["nodes"] == 0 and cache.metrics["evicted_nodes"] == 3
+    cache.check_integrity([], [], [])
 
 
 def test_integrity_catches_leaks(cache):
@@ -163,6 +222,18 @@ def test_integrity_catches_leaks(cache):
     cache.check_integrity([], [leaked], [])
     with pytest.raises(AssertionError, match="two owners"):
         cache.check_integrity([], [leaked, slot], [])
+
+
+def test_integrity_catches_a_salt_below_the_first_block(cache):
+    pages, slot = owned(cache, 4)
+    node = cache.insert(seq(1, 2), pages, slot, "a")
+    cache.kv_pool.release(pages)
+    cache.check_integrity([], [], [])
+    del node.parent.children[node.key]
+    node.key = ("a", *node.key)  # a salt on a depth-2 key (with the link kept whole)
+    node.parent.children[node.key] = node
+    with pytest.raises(AssertionError, match="behind a salt only at depth 1"):
+        cache.check_integrity([], [], [])
 
 
 def test_interval_must_hold_whole_pages(tiny_ckpt):

@@ -17,13 +17,16 @@ def toks(n, seed):
     return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_checked(llm: LLM, prompts, params):
-    """generate() step by step, checking the engine's integrity after every step."""
+def run_checked(llm: LLM, prompts, params, salts=None):
+    """generate() step by step, checking the engine's integrity after every step; `salts`: each
+    prompt's cache_salt (None: unsalted)."""
     eng = llm.engine
     ids = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
         rid = f"q{llm._next_id}-{i}"
-        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+        salt = salts[i] if salts else None
+        eng.add_request(rid, {"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})},
+                        sp)
         ids.append(rid)
     done = {}
     while eng.has_unfinished_requests():
@@ -139,7 +142,8 @@ def test_concurrent_batches_with_shared_prefixes(pair):
     assert on.engine.stats["mixed_steps"] > 0
 
 
-def test_eviction_under_a_small_budget(tiny_ckpt):
+@pytest.mark.parametrize("salts", [(None,), (None, "x", "y")])
+def test_eviction_under_a_small_budget(tiny_ckpt, salts):
     probe = LLM(tiny_ckpt, max_num_seqs=1).engine
     slot_b = StatePool.bytes_per_slot(probe.model_config, probe.dtype, probe.ssm_dtype)
     page_b = KVPool.bytes_per_page(probe.model_config, 16, probe.dtype)
@@ -156,7 +160,8 @@ def test_eviction_under_a_small_budget(tiny_ckpt):
                    for i in range(5)]
         params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 16), ignore_eos=True,
                                  logprobs=1) for _ in prompts]
-        assert_same(run_checked(on, prompts, params), run_checked(off, prompts, params))
+        salt = [rng.choice(salts) if len(salts) > 1 else None for _ in prompts]
+        assert_same(run_checked(on, prompts, params, salt), run_checked(off, prompts, params))
     stats = on.engine.cache_stats()
     assert stats["evicted_snapshots"] > 0 and stats["hit_tokens"] > 0
     # with everything finished, only the tree holds slots and pages
@@ -164,6 +169,61 @@ def test_eviction_under_a_small_budget(tiny_ckpt):
                                  pages=on.engine.kv_pool.num_pages)
     assert on.engine.state_pool.num_free == on.engine.state_pool.num_slots
     assert on.engine.kv_pool.num_free == on.engine.kv_pool.num_pages
+
+
+def test_cache_salt_isolates_prefixes(pair):
+    """vLLM's cache_salt: a prompt hits only entries cached under the same salt (unsalted only
+    unsalted ones); outputs are the same hit or miss, and the same as without caching (where
+    the salt is accepted and changes nothing)."""
+    on, off = pair
+    prompt = toks(45, 9)
+    ref = run_checked(off, [prompt], [GREEDY], ["a"])[0]
+    assert ref.num_cached_tokens == 0
+    order = ["a", "b", None, "a", "b", None, "a "]
+    hits = []
+    for salt in order:
+        out = run_checked(on, [prompt], [GREEDY], [salt])[0]
+        assert_same([out], [ref])
+        hits.append(out.num_cached_tokens)
+    assert hits == [0, 0, 0, 32, 32, 32, 0]  # (45 - 1) // 16 * 16 on each salt's repeat
+    stats = on.engine.cache_stats()
+    assert (stats["queries"], stats["hits"], stats["hit_tokens"]) == (7, 3, 96)
+    # a follow-up turn reuses its conversation's snapshots under its own salt only
+    turn2 = prompt + ref.outputs[0].token_ids + toks(9, 19)
+    assert [run_checked(on, [turn2], [GREEDY], [s])[0].num_cached_tokens
+            for s in ("c", "b")] == [0, 48]
+
+
+def test_n_completions_and_prompt_dicts_carry_the_salt(tiny_ckpt):
+    llm = LLM(tiny_ckpt, enable_prefix_caching=True, chunked_prefill_size=24, max_num_seqs=4)
+    tree = llm.engine.prefix_cache
+    prompt = toks(45, 11)
+    sp = SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt, "cache_salt": "t1"}, sp)
+    llm.engine.check_integrity()
+    # every completion of the request inserted under its salt: no unsalted entry
+    assert {n.key[0] for n in tree.root.children.values()} == {"t1"}
+    outs = llm.generate([{"prompt_token_ids": prompt, "cache_salt": s} for s in ("t2", "t1")]
+                        + [prompt], GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 0]
+    # vLLM's TextPrompt shape takes a salt too; its text is tokenized like a string prompt
+    text = "a prompt of more than thirty-three characters, salted"
+    outs = [llm.generate(p, GREEDY)[0] for p in ({"prompt": text, "cache_salt": "t3"}, text,
+                                                 {"prompt": text, "cache_salt": "t3"})]
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 48]
+    assert_same(outs, [outs[1]] * 3)
+
+
+@pytest.mark.parametrize("salt, got", [("", "an empty string"), (5, "int"), (["a"], "list")])
+def test_bad_cache_salt_is_refused_before_anything_is_queued(tiny_ckpt, salt, got):
+    llm = LLM(tiny_ckpt, enable_prefix_caching=True)
+    prompts = [toks(20, 1), {"prompt_token_ids": toks(20, 2), "cache_salt": salt}]
+    with pytest.raises(ValueError, match=f"'cache_salt' must be a non-empty string, got {got}"):
+        llm.generate(prompts, GREEDY)
+    with pytest.raises(ValueError, match="'cache_salt' must be a non-empty string"):
+        llm.engine.add_request("r", prompts[1], GREEDY)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
 
 
 def test_abort_keeps_the_cache_consistent(tiny_ckpt):

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mambaserve.engine.prompt import PromptError, prompt_ids, validate_prompt_ids
+from mambaserve.engine.prompt import (
+    PromptError,
+    prompt_cache_salt,
+    prompt_ids,
+    validate_prompt_ids,
+)
 
 
 class _Chars:
@@ -21,6 +26,7 @@ class _Chars:
     ((1, 2), (None, [1, 2])),
     ({"prompt_token_ids": (3,)}, (None, [3])),
     ({"prompt_token_ids": [3], "prompt": "c"}, ("c", [3])),
+    ({"prompt": "ab", "cache_salt": "s"}, ("ab", [97, 98])),  # vLLM's TextPrompt
 ])
 def test_prompt_shapes(prompt, want):
     assert prompt_ids(prompt, _Chars()) == want
@@ -28,6 +34,8 @@ def test_prompt_shapes(prompt, want):
 
 @pytest.mark.parametrize("prompt, tokenizer, match", [
     ({"text": "x"}, _Chars(), "a dict prompt needs 'prompt_token_ids'"),
+    ({"prompt": 5}, _Chars(), "a dict prompt needs 'prompt_token_ids' \\(or a string"),
+    ({"prompt": "ab"}, None, "no tokenizer.json: pass prompt_token_ids"),
     ({"prompt_token_ids": "abc"}, _Chars(), "'prompt_token_ids' must be a list of token ids, "
                                             "got str"),
     ("ab", None, "no tokenizer.json: pass prompt_token_ids"),
@@ -37,6 +45,26 @@ def test_bad_prompt_shapes(prompt, tokenizer, match):
     with pytest.raises(PromptError, match=match) as e:
         prompt_ids(prompt, tokenizer)
     assert e.value.code == "invalid_value" and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("prompt, salt", [
+    ({"prompt_token_ids": [1], "cache_salt": "tenant-1"}, "tenant-1"),
+    ({"prompt": "x", "cache_salt": " "}, " "),
+    ({"prompt_token_ids": [1], "cache_salt": None}, None),
+    ({"prompt_token_ids": [1]}, None),
+    ("text", None),
+    ([1, 2], None),
+])
+def test_cache_salt_of_a_prompt(prompt, salt):
+    assert prompt_cache_salt(prompt) == salt
+
+
+@pytest.mark.parametrize("salt, got", [("", "an empty string"), (7, "int"), (b"s", "bytes")])
+def test_bad_cache_salt(salt, got):
+    with pytest.raises(PromptError) as e:
+        prompt_cache_salt({"prompt_token_ids": [1], "cache_salt": salt})
+    assert str(e.value) == f"'cache_salt' must be a non-empty string, got {got}"
+    assert e.value.code == "invalid_value"
 
 
 @pytest.mark.parametrize("ids, code, message", [
