@@ -221,6 +221,7 @@ DEFAULT_PREFILL_GRAPH_TOKENS = 256
 # device time is short (Granite-micro 1x2048: ~37 ms of launches for ~23 ms of device time,
 # docs/benchmarks.md run 14); a fresh lone prompt's graph runs its attention dense
 DEFAULT_SOLO_GRAPH_TOKENS = 2048
+SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy's values
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,9 @@ class EngineConfig:
     # ranks of tensor parallelism (docs/tensor_parallel.md): 1 runs in this process alone, N
     # spawns ranks 1..N-1 as worker processes, this process being rank 0
     tensor_parallel_size: int = 1
+    # vLLM's --scheduling-policy: "fcfs" (a request priority other than 0 is refused) or
+    # "priority" (engine/request_queue.py; docs/architecture.md, "The step loop")
+    scheduling_policy: str = "fcfs"
 
     def validate(self) -> None:
         """Raise a one-line ValueError naming the first bad field ("<field> must be ...")."""
@@ -320,6 +324,8 @@ class EngineConfig:
               f"must be auto or dummy, got {self.load_format!r}")
         check(self.quantization in (None, "fp8"), "quantization",
               f"must be fp8 or unset, got {self.quantization!r}")
+        check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+              f"must be fcfs or priority, got {self.scheduling_policy!r}")
 
     # ---- command line ----------------------------------------------------------------------
     @classmethod
@@ -435,4 +441,9 @@ _CLI_FLAGS: dict[str, tuple[str, dict]] = {
     "tensor_parallel_size": ("--tensor-parallel-size", dict(
         type=int, help="split the model over N processes (one per GPU, gloo on a CPU), this one "
                        "being rank 0; docs/tensor_parallel.md (default: %(default)s)")),
+    "scheduling_policy": ("--scheduling-policy", dict(
+        choices=list(SCHEDULING_POLICIES),
+        help="fcfs: requests are admitted in arrival order (a request priority other than 0 is "
+             "refused); priority: by (priority, arrival), lower first, and the running request "
+             "with the largest (priority, arrival) is preempted first (default: %(default)s)")),
 }

@@ -96,6 +96,8 @@ def _one_line_error(capsys, argv: list[str], expected: str, status: int = 2) -> 
     (["generate", "x", "--page-size", "0"], "page_size must be >= 1, got 0"),
     (["generate", "x", "--memory-budget-gb", "-1"], "--memory-budget-gb must be positive"),
     (["generate", "x", "--load-format", "bogus"], "argument --load-format: invalid choice"),
+    (["serve", "--scheduling-policy", "lifo"],
+     "argument --scheduling-policy: invalid choice: 'lifo'"),
     (["generate"], "the following arguments are required: prompt"),
     (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
     (["bench", "one-batch", "--preset", "nope"], "unknown preset 'nope'"),

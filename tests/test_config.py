@@ -97,7 +97,7 @@ def test_every_engine_field_has_a_flag():
             "--load-format", "dummy", "--async-scheduling",
             "--max-step-prefill-tokens", "128", "--quantization", "fp8",
             "--quantization-exclude", "lm_head,*.o_proj", "--tensor-parallel-size", "2",
-            "--steady-step-prefill-tokens", "32"]
+            "--steady-step-prefill-tokens", "32", "--scheduling-policy", "priority"]
     want = EngineConfig(dtype="bf16", device="cuda:1", max_num_seqs=7, chunked_prefill_size=96,
                         max_model_len=300, page_size=32, memory_budget_bytes=2**29,
                         gpu_memory_utilization=0.5, mamba_ssm_dtype="bfloat16",
@@ -107,7 +107,8 @@ def test_every_engine_field_has_a_flag():
                         load_format="dummy",
                         async_scheduling=True, max_step_prefill_tokens=128,
                         quantization="fp8", quantization_exclude="lm_head,*.o_proj",
-                        tensor_parallel_size=2, steady_step_prefill_tokens=32)
+                        tensor_parallel_size=2, steady_step_prefill_tokens=32,
+                        scheduling_policy="priority")
     # every field differs from its default, so a field without a flag would fail the equality
     default = EngineConfig()
     same = [f.name for f in dataclasses.fields(EngineConfig)

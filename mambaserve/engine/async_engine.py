@@ -55,6 +55,7 @@ class _Add:
     streams: list[StreamState]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    priority: int = 0  # every item's (LLMEngine.add_request)
 
 
 @dataclass
@@ -131,6 +132,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def scheduling_policy(self) -> str:
+        """The engine's `EngineConfig.scheduling_policy` (immutable: safe from any thread)."""
+        return self.engine.config.scheduling_policy
+
+    @property
     def model_config(self) -> ModelConfig:
         """The served model's normalized config (immutable: safe from any thread)."""
         return self.engine.model_config
@@ -149,23 +155,24 @@ class AsyncEngine:
         return len(self._streams)
 
     # ---- public API (any thread with a running event loop) --------------------------------
-    async def add_request(self, request_id: str | None, prompt,
-                          params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str | None, prompt, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
         """Queue one request; returns its output stream once the engine accepted it.
         Raises ValueError / QueueFullError / EngineClosedError (nothing queued then)."""
-        streams = await self.add_requests([(request_id, prompt, params)])
+        streams = await self.add_requests([(request_id, prompt, params)], priority)
         return streams[0]
 
-    async def add_requests(self, items: Sequence[tuple[str | None, object, SamplingParams]]
-                           ) -> list[RequestStream]:
-        """Queue several requests atomically: either all are accepted or none is queued."""
+    async def add_requests(self, items: Sequence[tuple[str | None, object, SamplingParams]],
+                           priority: int = 0) -> list[RequestStream]:
+        """Queue several requests atomically: either all are accepted or none is queued.
+        `priority` (vLLM's, for all of them) as `LLMEngine.add_request` takes it."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         fixed = [(rid if rid is not None else f"async-{next(self._ids)}", p, sp)
                  for rid, p, sp in items]
         streams = [StreamState(rid, loop, asyncio.Queue(), now) for rid, _, _ in fixed]
         fut = loop.create_future()
-        self._submit(_Add(fixed, streams, loop, fut))
+        self._submit(_Add(fixed, streams, loop, fut, priority))
         try:
             await fut
         except asyncio.CancelledError:
@@ -175,11 +182,11 @@ class AsyncEngine:
             raise
         return [RequestStream(s, self.abort) for s in streams]
 
-    async def generate(self, prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes. Closing the iterator early
         (or cancelling the task consuming it) aborts the request and frees its resources."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, priority)
         try:
             async for out in stream:
                 yield out
@@ -292,7 +299,7 @@ class AsyncEngine:
             for rid, prompt, params in cmd.items:
                 if rid in self._streams:
                     raise ValueError(f"request id {rid!r} is already in use")
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, priority=cmd.priority)
                 added.append(rid)
         except Exception as e:  # noqa: BLE001 - reported to the caller
             for rid in added:

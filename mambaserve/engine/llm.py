@@ -10,6 +10,7 @@ from mambaserve.config import EngineConfig
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.engine.outputs import RequestOutput
 from mambaserve.engine.prompt import prompt_cache_salt
+from mambaserve.engine.request_queue import check_priority
 from mambaserve.engine.sampling_params import SamplingParams
 
 
@@ -49,11 +50,13 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a token-id list, a {"prompt_token_ids": [...]} or {"prompt": "..."}
         dict (either may add "cache_salt": a non-empty string; the prefix cache shares entries
-        only between prompts of the same salt, as vLLM's), or a list of them. Returns one
-        RequestOutput per prompt, in order. All prompts are validated before any is queued."""
+        only between prompts of the same salt, as vLLM's), or a list of them. `priority`: as
+        vLLM's, one integer per prompt, lower served first (None: 0 for every prompt; other
+        values need scheduling_policy="priority"). Returns one RequestOutput per prompt, in
+        order. All prompts are validated before any is queued."""
         if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         if sampling_params is None:
@@ -62,6 +65,15 @@ class LLM:
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            got = f"{len(priority)} values" if isinstance(priority, (list, tuple)) else \
+                repr(priority)[:80]
+            raise ValueError(f"priority must be a list of one integer per prompt "
+                             f"({len(prompts)} prompts), got {got}")
+        for p in priority:
+            check_priority(p, self.engine.config.scheduling_policy)
         # validate everything first: a bad prompt queues nothing (and strings are tokenized once)
         checked = []
         for p, sp in zip(prompts, params):
@@ -73,10 +85,10 @@ class LLM:
                             "cache_salt": prompt_cache_salt(p)})
         ids: list[str] = []
         try:
-            for p, sp in zip(checked, params):
+            for p, sp, prio in zip(checked, params, priority):
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(rid, p, sp)
+                self.engine.add_request(rid, p, sp, priority=prio)
                 ids.append(rid)
         except ValueError:
             for rid in ids:  # a refused prompt leaves nothing of this call queued

@@ -26,6 +26,7 @@ from mambaserve.engine.outputs import CompletionOutput, RequestOutput
 from mambaserve.engine.prompt import prompt_cache_salt, prompt_ids, truncated, validate_prompt_ids
 from mambaserve.engine.rank_setup import build_rank
 from mambaserve.engine.request import Request, Status
+from mambaserve.engine.request_queue import check_priority
 from mambaserve.engine.runner import StepHandle
 from mambaserve.engine.sampling_params import SamplingParams
 from mambaserve.engine.scheduler import DRAIN, Scheduler
@@ -89,7 +90,8 @@ class LLMEngine:
             self.state_pool, self.kv_pool, config.max_num_seqs, config.chunked_prefill_size,
             StopChecker(self.tokenizer, set(self.model_config.eos_token_ids)),
             SnapshotPolicy(self.prefix_cache) if self.prefix_cache else None,
-            config.max_step_prefill_tokens, self._steady_prefill_cap())
+            config.max_step_prefill_tokens, self._steady_prefill_cap(),
+            config.scheduling_policy)
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
             else self.device.type == "cuda"
         self._inflight: StepHandle | None = None  # the step launched and not collected yet
@@ -229,10 +231,14 @@ class LLMEngine:
         return seqs
 
     def add_request(self, request_id: str, prompt: str | dict | list[int],
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, priority: int = 0) -> None:
+        """Queue a request (its `params.n` completions). `priority`: vLLM's, an integer, lower
+        served first under `scheduling_policy="priority"`; anything but 0 is refused under
+        "fcfs" (request_queue.check_priority). A refused request queues nothing."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+        check_priority(priority, self.config.scheduling_policy)
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate()
@@ -254,8 +260,8 @@ class LLMEngine:
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(62)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             req = Request(rid, text, list(ids), params, seed, max_total,
-                          arrival=next(self._counter), index=i, parent_id=request_id,
-                          cache_salt=salt)
+                          arrival=next(self._counter), priority=priority, index=i,
+                          parent_id=request_id, cache_salt=salt)
             if params.prompt_logprobs is not None:
                 req.reset_prompt_logprobs()
             masks = [self.grammars.matcher(so)] if so is not None else []

@@ -22,7 +22,10 @@ class Request:
     params: SamplingParams
     seed: int  # the sampler's seed (drawn by the engine when the user gave none)
     max_total_len: int  # prompt + the most tokens it may generate
-    arrival: int = 0
+    arrival: int = 0  # order of arrival: the engine numbers the sequences it is given
+    # vLLM's request priority: under the "priority" scheduling policy the waiting queue is
+    # ordered by (priority, arrival), lower first (engine/request_queue.py); 0 under "fcfs"
+    priority: int = 0
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

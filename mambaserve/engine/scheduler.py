@@ -5,8 +5,10 @@ handed to the prefix cache). See docs/architecture.md ("The step loop").
 
 Each step walks the running requests oldest first: a decode (one token) for each request whose
 prefill is done, the next chunk for each partially prefilled one, then admits waiting requests
-first-come-first-served while a state slot, the KV pages of their first chunk and a place under
-`max_num_seqs` are free (head-of-line: a request that does not fit makes later ones wait). While
+in the waiting queue's order while a state slot, the KV pages of their first chunk and a place
+under `max_num_seqs` are free (head-of-line: a request that does not fit makes later ones wait).
+The order is the scheduling policy's (`EngineConfig.scheduling_policy`, engine/request_queue.py):
+"fcfs" first come first served, "priority" by (priority, arrival), lower first. While
 decodes run, the step's prefill tokens are capped at `max_step_prefill_tokens` so a burst of
 arrivals does not stall every stream for a whole chunk; when the prompt tokens still to prefill
 (waiting and partly prefilled requests) are no more than that cap, the tighter
@@ -16,11 +18,15 @@ Prefill rows come first in the batch, decode rows last.
 
 KV pages on demand: a request holds the pages of the positions it has written plus those its next
 row writes. When a running request needs a page and none is free (after evicting cached
-prefixes), the most recently admitted running request is preempted: its slot and pages go back
-(its latest snapshot and blocks to the prefix cache), it returns to the front of the waiting
-queue, and on re-admission it recomputes its prompt and the tokens it had generated
-(`Request.recompute_len`) before sampling on; the sampler's noise depends on (seed, token index),
-so the continuation is the one it would have produced.
+prefixes), a running request is preempted: under "fcfs" the most recently admitted one, under
+"priority" the one with the largest (priority, arrival), which may be one already given a row of
+this step (that row is dropped). Its slot and pages go back (its latest snapshot and blocks to
+the prefix cache), it returns to the waiting queue (under "fcfs" to the front, under "priority"
+to the place of its key), and on re-admission it recomputes its prompt and the tokens it had
+generated (`Request.recompute_len`) before sampling on; the sampler's noise depends on (seed,
+token index), so the continuation is the one it would have produced. A waiting request never
+preempts a running one, whatever its priority: it waits for memory as under "fcfs" (vLLM's
+rule).
 
 Overlap scheduling: a step may be scheduled while the previous one still runs. `schedule()`
 therefore advances `num_computed` and counts the sampled token as in flight (`inflight_tokens`)
@@ -33,12 +39,11 @@ completes the step in flight and schedules again.
 
 from __future__ import annotations
 
-from collections import deque
-
 from mambaserve.cache.kv_pool import KVPool
 from mambaserve.cache.state_pool import StatePool
 from mambaserve.engine.batch import Batch, Row, RowResult
 from mambaserve.engine.request import Request, Status
+from mambaserve.engine.request_queue import priority_key, waiting_queue
 from mambaserve.engine.snapshot_policy import SnapshotPolicy
 from mambaserve.engine.stop_checker import StopChecker
 
@@ -50,7 +55,8 @@ class Scheduler:
                  token_budget: int, stop_checker: StopChecker,
                  policy: SnapshotPolicy | None = None,
                  max_step_prefill_tokens: int | None = None,
-                 steady_step_prefill_tokens: int | None = None) -> None:
+                 steady_step_prefill_tokens: int | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
         self.state_pool, self.kv_pool, self.policy = state_pool, kv_pool, policy
         self.stop_checker = stop_checker
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
@@ -58,7 +64,8 @@ class Scheduler:
         self.steady_step_prefill_tokens = min(
             steady_step_prefill_tokens or self.max_step_prefill_tokens,
             self.max_step_prefill_tokens)
-        self.waiting: deque[Request] = deque()
+        self.scheduling_policy = scheduling_policy
+        self.waiting = waiting_queue(scheduling_policy)  # request_queue.py: add, requeue, ...
         self.running: list[Request] = []  # in admission order
         # finished or aborted while a step holding one of their rows is in flight
         self.releasing: list[Request] = []
@@ -72,7 +79,7 @@ class Scheduler:
                 f"but the pool has {self.kv_pool.num_pages}; raise the memory budget or lower "
                 "max_tokens")
         req.status = Status.WAITING
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.releasing)
@@ -104,31 +111,33 @@ class Scheduler:
         budget = self.token_budget - decoding
         if decoding:
             budget = min(budget, self._prefill_cap())
-        plan: list[tuple[Request, int, int, int]] = []  # (request, start, tokens, restore_from)
+        # (request, start, tokens, restore_from, prefill tokens taken from the budget)
+        plan: list[tuple[Request, int, int, int, int]] = []
         preempted = False
-        i = 0
-        while i < len(self.running):
-            r = self.running[i]
+        for r in list(self.running):  # a copy: a preemption removes requests from the list
+            if r.status is not Status.RUNNING:  # preempted earlier in this walk
+                continue
             if r.prefill_done:
                 if r.num_tokens >= r.max_total_len:  # its last token is in flight
-                    i += 1
                     continue
                 start, n = r.num_tokens - 1, 1
             else:
                 start, n = r.num_computed, min(r.prefill_len - r.num_computed, budget)
                 if n <= 0:
-                    i += 1
                     continue
             got = self._grow(r, start + n)
             if got == DRAIN:
                 return DRAIN
-            preempted |= got is not True
-            if got is False:  # r itself was preempted: it was the newest, nothing follows
-                break
-            plan.append((r, start, n, -1))
-            if not r.prefill_done:
-                budget -= n
-            i += 1
+            if got is not True:
+                preempted = True
+                if self.scheduling_policy != "fcfs":  # a victim may have a row planned above
+                    budget += sum(p[4] for p in plan if p[0].status is not Status.RUNNING)
+                    plan = [p for p in plan if p[0].status is Status.RUNNING]
+            if got is False:  # r itself was preempted
+                continue
+            taken = 0 if r.prefill_done else n
+            plan.append((r, start, n, -1, taken))
+            budget -= taken
         # admissions (not in a step that had to preempt: the memory is needed by those running)
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
@@ -139,14 +148,14 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             n, restore_from = admitted
-            plan.append((req, req.num_computed, n, restore_from))
+            plan.append((req, req.num_computed, n, restore_from, n))
             budget -= n
         if not plan:
             return None
         # pass 2: the rows; from here on the step counts as scheduled
         prefills: list[Row] = []
         decodes: list[Row] = []
-        for req, start, n, restore_from in plan:
+        for req, start, n, restore_from, _ in plan:
             is_decode = req.prefill_done
             row = Row(req, start, n, restore_from=restore_from)
             if self.policy is not None:
@@ -159,9 +168,9 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> bool | str | None:
         """Give `req` the KV pages of positions [0, num_tokens). True: done; False: `req` itself
-        was preempted; None: done after preempting newer requests; DRAIN: the request to
-        preempt has a row in flight, or finished requests still hold pages until the step in
-        flight is collected."""
+        was preempted; None: done after preempting other requests (`_victim`); DRAIN: the
+        request to preempt has a row in flight, or finished requests still hold pages until the
+        step in flight is collected."""
         preempted = False
         while True:
             need = self.kv_pool.pages_for(num_tokens) - len(req.pages)
@@ -172,7 +181,7 @@ class Scheduler:
             if self.kv_pool.num_free >= need:
                 req.pages += self.kv_pool.allocate(need)
                 continue
-            victim = self.running[-1]
+            victim = self._victim()
             if victim.inflight_steps or self.releasing:  # collecting may free what is needed
                 return DRAIN
             if victim is req and len(self.running) == 1:
@@ -183,9 +192,17 @@ class Scheduler:
             if victim is req:
                 return False
 
+    def _victim(self) -> Request:
+        """The running request to preempt when pages run out: the most recently admitted
+        ("fcfs"), or the one with the largest (priority, arrival) ("priority", vLLM's choice)."""
+        if self.scheduling_policy == "fcfs":
+            return self.running[-1]
+        return max(self.running, key=priority_key)
+
     def preempt(self, req: Request) -> None:
-        """Free a running request's slot and pages and requeue it at the front of the waiting
-        queue; it recomputes its tokens when admitted again. Needs no row of it in flight."""
+        """Free a running request's slot and pages and requeue it (under "fcfs" at the front of
+        the waiting queue, under "priority" at its key's place); it recomputes its tokens when
+        admitted again. Needs no row of it in flight."""
         assert not req.inflight_steps and not req.inflight_tokens, "preempting a request in flight"
         self.running.remove(req)
         self._release(req)
@@ -195,7 +212,7 @@ class Scheduler:
             req.reset_prompt_logprobs()  # recomputed with the prompt
         req.num_preemptions += 1
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
         self.num_preemptions += 1
 
     def _admit(self, req: Request, budget: int) -> tuple[int, int] | None:

@@ -66,6 +66,9 @@ class ParsedRequest:
     prompt_logprobs: int | None = None
     # vLLM's cache_salt: prefix-cache entries are shared only with requests of the same salt
     cache_salt: str | None = None
+    # vLLM's priority (lower first under --scheduling-policy priority; serving.py refuses
+    # anything but 0 under fcfs)
+    priority: int = 0
 
 
 # vLLM's sampling extensions this server does not implement and whose silent omission would
@@ -201,6 +204,11 @@ def _cache_salt(body: dict) -> str | None:
     return salt
 
 
+def _priority(body: dict) -> int:
+    """vLLM's `priority`: an integer in int64's range (null or absent: 0)."""
+    return get_int(body, "priority", 0, lo=-(2**63), hi=2**63 - 1)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -280,7 +288,8 @@ def parse_completion(body: dict, tokenizer, vocab_size: int, max_model_len: int
     return ParsedRequest(model, prompts, params, n, stream, include, continuous, echo,
                          logprobs, stop, echo_only=echo_only,
                          token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False),
-                         prompt_logprobs=None if stream else plp, cache_salt=_cache_salt(body))
+                         prompt_logprobs=None if stream else plp, cache_salt=_cache_salt(body),
+                         priority=_priority(body))
 
 
 def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
@@ -320,7 +329,8 @@ def parse_chat(body: dict, tokenizer, vocab_size: int, max_model_len: int,
     return ParsedRequest(model, [Prompt(text, ids)], params, n, stream, include, continuous,
                          False, logprobs, stop, chat=chat.output_spec(config, text),
                          token_ids_as_text=get_bool(body, "return_tokens_as_token_ids", False),
-                         prompt_logprobs=plp, cache_salt=_cache_salt(body))
+                         prompt_logprobs=plp, cache_salt=_cache_salt(body),
+                         priority=_priority(body))
 
 
 # ---- issue 23 (api-server) -------------------------------------------------------------------

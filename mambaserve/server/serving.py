@@ -17,6 +17,7 @@ from mambaserve.engine.async_engine import (
     RequestStream,
 )
 from mambaserve.engine.outputs import CompletionOutput, RequestOutput
+from mambaserve.engine.request_queue import check_priority
 from mambaserve.server.chat_output import ChatChoiceOutput
 from mambaserve.server.fields import APIError, dumps
 from mambaserve.server.logprobs import (
@@ -176,13 +177,17 @@ class OpenAIServing:
         self.tt = TokenText(engine.tokenizer)
 
     async def submit(self, parsed: ParsedRequest, prefix: str) -> tuple[str, list[RequestStream]]:
+        try:  # a priority other than 0 under fcfs: a 400 naming the field (vLLM's rule)
+            check_priority(parsed.priority, self.engine.scheduling_policy)
+        except ValueError as e:
+            raise APIError(str(e), param="priority", code="invalid_value") from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
         items = [(rid if len(parsed.prompts) == 1 else f"{rid}-p{i}",
                   {"prompt_token_ids": p.token_ids, "prompt": p.text,
                    "cache_salt": parsed.cache_salt}, parsed.params)
                  for i, p in enumerate(parsed.prompts)]
         try:
-            streams = await self.engine.add_requests(items)
+            streams = await self.engine.add_requests(items, parsed.priority)
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
             raise engine_error(e) from None
         return rid, streams
