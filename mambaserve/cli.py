@@ -197,7 +197,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                  max_body_bytes=max(1, int(a.max_body_mb * (1 << 20))),
                  timeout_keep_alive_s=a.timeout_keep_alive, timeout_header_s=a.timeout_header,
                  timeout_body_s=a.timeout_body, tool_call_parser=a.tool_call_parser,
-                 reasoning_parser=a.reasoning_parser, **_engine_settings(a))
+                 reasoning_parser=a.reasoning_parser,
+                 enable_prompt_tokens_details=a.enable_prompt_tokens_details,
+                 **_engine_settings(a))
 
 
 def _server_commands(sub) -> None:
@@ -252,6 +254,10 @@ def _server_commands(sub) -> None:
     s.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> into reasoning_content (vLLM's names; "
                         "deepseek_r1: Nemotron-Nano-v2) (default: none)")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens "
+                        "reused from the prefix cache (vLLM's flag; off: a cache hit tells a "
+                        "client about other clients' prompts)")
     s.add_argument("--log-level", default="info", help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)
 

@@ -218,7 +218,8 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
                allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = 30.0,
                parse_workers: int | None = None, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None,
+               enable_prompt_tokens_details: bool = False) -> FastAPI:
     """`model_name`: the id /v1/models lists and responses carry; requests may name it or one
     of `aliases` (or leave `model` out). With `shutdown_engine`, the app's shutdown drains the
     engine: requests in flight finish for up to `drain_timeout` s (0: none), the rest end with
@@ -226,7 +227,9 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
     launcher's uvicorn server calls it when shutdown begins, before it waits for connections).
     `api_key`, `allowed_origins`, `allowed_hosts`, `max_body_bytes`, `body_timeout_s`: the
     guards of the module docstring. `tool_call_parser` / `reasoning_parser`: the names of the
-    parsers chat outputs are read with (tool_parsers.py, reasoning_parsers.py)."""
+    parsers chat outputs are read with (tool_parsers.py, reasoning_parsers.py).
+    `enable_prompt_tokens_details`: every usage carries prompt_tokens_details.cached_tokens
+    (vLLM's flag; off by default, as cache hits tell one tenant about another's prompts)."""
     if drain_timeout is None or drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0 seconds, got {drain_timeout}")
     if max_body_bytes < 1:
@@ -244,7 +247,7 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
         engine.observer = metrics
     metrics.engine_source = lambda: (engine.snapshot, engine.is_running)
     names = {model_name, *aliases}
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, enable_prompt_tokens_details)
     created = int(time.time())
     vocab = engine.model_config.vocab_size
     # one core stays free for the event loop and the engine thread

@@ -40,7 +40,8 @@ def build_app(model: str | Path | None = None, *, served_model_name: str | None 
               api_key: str | None = None, allowed_origins: Sequence[str] = (),
               allowed_hosts: Sequence[str] | None = None, max_body_bytes: int | None = None,
               timeout_body_s: float = 30.0, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, **engine_kwargs):
+              reasoning_parser: str | None = None, enable_prompt_tokens_details: bool = False,
+              **engine_kwargs):
     """Load the model and wrap it: -> (FastAPI app, AsyncEngine). `engine_kwargs` are
     `EngineConfig` fields (dtype, device, max_num_seqs, ...); the other arguments are
     `create_app`'s."""
@@ -63,7 +64,8 @@ def build_app(model: str | Path | None = None, *, served_model_name: str | None 
                          allowed_hosts=allowed_hosts,
                          max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                          body_timeout_s=timeout_body_s, tool_call_parser=tool_call_parser,
-                         reasoning_parser=reasoning_parser)
+                         reasoning_parser=reasoning_parser,
+                         enable_prompt_tokens_details=enable_prompt_tokens_details)
     except Exception:
         engine.shutdown(drain=False)
         raise
@@ -186,7 +188,7 @@ def serve(model: str | Path | None, host: str = "127.0.0.1", port: int = 8000, *
           timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
           timeout_header_s: float = DEFAULT_TIMEOUT_HEADER_S, timeout_body_s: float = 30.0,
           tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-          **engine_kwargs) -> int:
+          enable_prompt_tokens_details: bool = False, **engine_kwargs) -> int:
     """Run the server until SIGTERM / SIGINT; then stop accepting connections, let the
     requests in flight finish (up to `drain_timeout` s, 0: none), end the rest with
     finish_reason "abort" and stop the engine."""
@@ -196,7 +198,9 @@ def serve(model: str | Path | None, host: str = "127.0.0.1", port: int = 8000, *
                             allowed_origins=allowed_origins, allowed_hosts=allowed_hosts,
                             max_body_bytes=max_body_bytes, timeout_body_s=timeout_body_s,
                             tool_call_parser=tool_call_parser,
-                            reasoning_parser=reasoning_parser, **engine_kwargs)
+                            reasoning_parser=reasoning_parser,
+                            enable_prompt_tokens_details=enable_prompt_tokens_details,
+                            **engine_kwargs)
     try:
         server = make_server(app, host, port, log_level=log_level,
                              timeout_keep_alive_s=timeout_keep_alive_s,

@@ -88,9 +88,14 @@ def sse(obj) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with `cached_tokens` (--enable-prompt-tokens-details) also
+    `prompt_tokens_details.cached_tokens`: the prompt tokens reused from the prefix cache."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -171,10 +176,17 @@ async def collect(streams: list[RequestStream], receive=None) -> list[RequestOut
 
 # ---- the endpoints ---------------------------------------------------------------------------
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str,
+                 prompt_tokens_details: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tt = TokenText(engine.tokenizer)
+        self.prompt_tokens_details = prompt_tokens_details
+
+    def _cached(self, counts) -> int | None:
+        """The usage's cached_tokens: each prompt's prefix-cache hit once (as prompt_tokens
+        counts each prompt once, whatever n), summed; None (no field) unless enabled."""
+        return sum(counts) if self.prompt_tokens_details else None
 
     async def submit(self, parsed: ParsedRequest, prefix: str) -> tuple[str, list[RequestStream]]:
         try:  # a priority other than 0 under fcfs: a 400 naming the field (vLLM's rule)
@@ -250,7 +262,8 @@ class OpenAIServing:
                 if plp is not None:  # vLLM's extension, in every choice of the prompt
                     choices[-1]["prompt_logprobs"] = plp
         choices.sort(key=lambda ch: ch["index"])
-        return self._body(rid, created, "text_completion", choices, _usage(n_prompt, n_gen))
+        return self._body(rid, created, "text_completion", choices, _usage(
+            n_prompt, n_gen, self._cached(o.num_cached_tokens for o in outs)))
 
     async def completions(self, parsed: ParsedRequest, receive) -> dict | AsyncIterator[str]:
         rid, streams = await self.submit(parsed, "cmpl")
@@ -278,7 +291,8 @@ class OpenAIServing:
             choices.append({"index": c.index, "message": message, "logprobs": lp,
                             "finish_reason": _chat_finish(c.finish_reason, called)})
         body = self._body(rid, created, "chat.completion", choices,
-                          _usage(len(out.prompt_token_ids), n_gen))
+                          _usage(len(out.prompt_token_ids), n_gen,
+                                 self._cached([out.num_cached_tokens])))
         if parsed.prompt_logprobs is not None:  # vLLM's extension, at the top level
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(parsed, out)
         return body
@@ -305,6 +319,7 @@ class OpenAIServing:
         offsets: dict[int, int] = {}
         prompt_tokens: dict[int, int] = {}
         gen_tokens: dict[int, int] = {}
+        cached: dict[int, int] = {}  # per prompt, known once the engine admitted it
         usage_field = parsed.include_usage or parsed.continuous_usage
         # echo with logprobs: the prompt goes out once its logprobs are known (after prefill)
         late_echo = not chat and parsed.echo and parsed.logprobs is not None
@@ -315,7 +330,8 @@ class OpenAIServing:
                     "system_fingerprint": None, "choices": choices}
             if parsed.continuous_usage:
                 g = sum(gen_tokens.values())
-                body["usage"] = _usage(sum(prompt_tokens.values()), g)
+                body["usage"] = _usage(sum(prompt_tokens.values()), g,
+                                       self._cached(cached.values()))
             elif usage_field:
                 body["usage"] = None
             return sse(body)
@@ -340,6 +356,7 @@ class OpenAIServing:
                         yield chunk([{"index": idx, "text": text, "logprobs": None,
                                       "finish_reason": None}])
             async for p, out in merge(streams):
+                cached[p] = out.num_cached_tokens
                 for c in out.outputs:
                     idx = p * n + c.index
                     tr = trackers[idx]
@@ -374,7 +391,8 @@ class OpenAIServing:
                     yield chunk([choice])
             if parsed.include_usage:
                 yield sse(self._body(rid, created, obj, [], _usage(
-                    sum(prompt_tokens.values()), sum(gen_tokens.values()))))
+                    sum(prompt_tokens.values()), sum(gen_tokens.values()),
+                    self._cached(cached.values()))))
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
             raise

@@ -33,6 +33,7 @@ def test_defaults(captured):
     assert captured["max_body_bytes"] == 4 << 20
     assert (captured["timeout_keep_alive_s"], captured["timeout_header_s"],
             captured["timeout_body_s"]) == (5.0, 10.0, 30.0)
+    assert captured["enable_prompt_tokens_details"] is False  # cache hits stay unreported
 
 
 def test_flags_and_environment(captured, monkeypatch):
@@ -45,8 +46,9 @@ def test_flags_and_environment(captured, monkeypatch):
     assert captured["allowed_origins"] == ["http://a.example", "http://b.example"]
     assert captured["allowed_hosts"] == ["*.example.com"]
     assert captured["max_body_bytes"] == 512 << 10 and captured["timeout_header_s"] == 2.5
-    assert cli.main(["serve", "--port", "0", "--api-key", "from-flag"]) == 0
-    assert captured["api_key"] == "from-flag"
+    assert cli.main(["serve", "--port", "0", "--api-key", "from-flag",
+                     "--enable-prompt-tokens-details"]) == 0
+    assert captured["api_key"] == "from-flag" and captured["enable_prompt_tokens_details"]
 
 
 @pytest.mark.parametrize("flag,value", [("--drain-timeout", "-1"), ("--max-body-mb", "0"),
