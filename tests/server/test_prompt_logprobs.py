@@ -138,5 +138,7 @@ def test_stream_takes_zero_and_sends_none(server, path):
             "max_tokens": 2}) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]" and len(lines) > 2
+    # at least one chunk before [DONE] (two tokens may arrive in one chunk: a token that
+    # decodes to no text yet is sent with the next)
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 2
     assert not any("prompt_logprobs" in ln for ln in lines)
