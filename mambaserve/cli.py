@@ -199,6 +199,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                  timeout_body_s=a.timeout_body, tool_call_parser=a.tool_call_parser,
                  reasoning_parser=a.reasoning_parser,
                  enable_prompt_tokens_details=a.enable_prompt_tokens_details,
+                 trust_request_chat_template=a.trust_request_chat_template,
                  **_engine_settings(a))
 
 
@@ -258,6 +259,9 @@ def _server_commands(sub) -> None:
                    help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens "
                         "reused from the prefix cache (vLLM's flag; off: a cache hit tells a "
                         "client about other clients' prompts)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (vLLM's flag; off: a "
+                        "request carrying one gets 400)")
     s.add_argument("--log-level", default="info", help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)
 

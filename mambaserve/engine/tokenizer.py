@@ -9,6 +9,7 @@ templates use (`raise_exception`, `strftime_now`, `tojson` with `indent`, loop c
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -72,16 +73,22 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
-                            continue_final_message: bool = False, **kwargs) -> str:
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None, **kwargs) -> str:
         """The chat template rendered in the sandbox, as transformers renders it: `tools` (the
         OpenAI tool definitions) and `kwargs` (chat_template_kwargs such as enable_thinking)
         are template variables. `continue_final_message`: the last message (an assistant's)
         is left open for the model to continue: the text is cut right after its content.
+        `chat_template`: a template source used instead of the model's for this call (empty or
+        None: the model's), in the same sandbox.
         Raises ChatTemplateError (a ValueError) when there is no template, when the template
         refuses the messages, or when it fails."""
-        if not self.chat_template:
+        if chat_template:
+            template = _compile_other(chat_template)
+        elif not self.chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template")
-        template = self._template(self.chat_template)
+        else:
+            template = self._template(self.chat_template)
         try:
             text = template.render(**kwargs, messages=messages, tools=tools,
                                    add_generation_prompt=add_generation_prompt,
@@ -108,11 +115,7 @@ class Tokenizer:
 
     def _template(self, source: str) -> jinja2.Template:
         if self._compiled is None or self._compiled[0] != source:
-            try:
-                self._compiled = (source, _ENV.from_string(source))
-            except jinja2.exceptions.TemplateError as e:
-                raise ChatTemplateError(f"the chat template does not compile: "
-                                        f"{type(e).__name__}: {e}") from None
+            self._compiled = (source, _compile(source))
         return self._compiled[1]
 
 
@@ -187,3 +190,19 @@ def _make_env() -> ImmutableSandboxedEnvironment:
 
 
 _ENV = _make_env()
+
+
+def _compile(source: str) -> jinja2.Template:
+    try:
+        return _ENV.from_string(source)
+    except Exception as e:  # noqa: BLE001 - a syntax error, or a parser RecursionError
+        raise ChatTemplateError(f"the chat template does not compile: "
+                                f"{type(e).__name__}: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_other(source: str) -> jinja2.Template:
+    """A template passed with a call (a server request's chat_template): the last few are kept
+    compiled, apart from the model's own, so clients that send one do not recompile it each
+    time nor evict the model's."""
+    return _compile(source)

@@ -219,7 +219,8 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = 30.0,
                parse_workers: int | None = None, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None,
-               enable_prompt_tokens_details: bool = False) -> FastAPI:
+               enable_prompt_tokens_details: bool = False,
+               trust_request_chat_template: bool = False) -> FastAPI:
     """`model_name`: the id /v1/models lists and responses carry; requests may name it or one
     of `aliases` (or leave `model` out). With `shutdown_engine`, the app's shutdown drains the
     engine: requests in flight finish for up to `drain_timeout` s (0: none), the rest end with
@@ -229,7 +230,9 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
     guards of the module docstring. `tool_call_parser` / `reasoning_parser`: the names of the
     parsers chat outputs are read with (tool_parsers.py, reasoning_parsers.py).
     `enable_prompt_tokens_details`: every usage carries prompt_tokens_details.cached_tokens
-    (vLLM's flag; off by default, as cache hits tell one tenant about another's prompts)."""
+    (vLLM's flag; off by default, as cache hits tell one tenant about another's prompts).
+    `trust_request_chat_template`: chat requests may bring their own chat_template (vLLM's
+    flag; off by default: such a request gets 400)."""
     if drain_timeout is None or drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0 seconds, got {drain_timeout}")
     if max_body_bytes < 1:
@@ -240,7 +243,7 @@ def create_app(engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...]
         get_tool_parser(tool_call_parser)  # an unknown name: ValueError listing the names
     if reasoning_parser is not None:
         reasoning_parser_class(reasoning_parser)
-    chat_config = ChatConfig(tool_call_parser, reasoning_parser)
+    chat_config = ChatConfig(tool_call_parser, reasoning_parser, trust_request_chat_template)
     if metrics is None:
         metrics = Metrics(model_name)
     if engine.observer is None:

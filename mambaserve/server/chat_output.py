@@ -32,8 +32,10 @@ class ChatOutputSpec:
 
     tool_parser: ToolParser | None = None
     reasoning: ThinkReasoningParser | None = None
-    echo: str = ""  # vLLM's chat echo: the last (assistant) message's content, prepended
+    echo: str = ""  # vLLM's chat echo: the last message's content (of `role`), prepended
     include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the reasoning out
+    role: str = "assistant"  # the message's role (vLLM: the last message's without a
+    # generation prompt)
 
 
 class ChatChoiceOutput:
@@ -60,7 +62,7 @@ class ChatChoiceOutput:
     def message(self, text: str) -> tuple[dict, bool]:
         """The final message of `text` -> (message fields, whether it called tools)."""
         reasoning, content, calls = self._parse(text, True)
-        msg: dict = {"role": "assistant", "content": content, "refusal": None}
+        msg: dict = {"role": self.spec.role, "content": content, "refusal": None}
         if self.spec.reasoning is not None:
             msg["reasoning_content"] = (reasoning or None) if self.spec.include_reasoning \
                 else None
@@ -72,6 +74,14 @@ class ChatChoiceOutput:
         return msg, bool(tool_calls)
 
     # ---- streamed ----------------------------------------------------------------------------
+    def echo_delta(self) -> dict:
+        """The echoed text as its own delta, sent (as vLLM does) right after the role chunk,
+        before anything is generated; {} without echo."""
+        if not self.spec.echo:
+            return {}
+        self.sent_content = self.spec.echo
+        return {"content": self.spec.echo}
+
     def delta(self, text: str, final: bool) -> dict:
         """The delta message for `text` (everything sent so far plus what is new); {} when
         there is nothing new."""

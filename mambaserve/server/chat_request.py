@@ -1,8 +1,9 @@
 """A chat request's inputs to the chat template: the messages (text content, an assistant's
 `tool_calls`, a tool message's `tool_call_id`), the tools, and the template options
 (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `echo`,
-`reasoning_effort`); and the template rendering. What the server was started with (the
-tool-call and reasoning parsers) is a `ChatConfig`.
+`reasoning_effort`, and `chat_template`, a template of the request's own, which only a server
+started with --trust-request-chat-template takes); and the template rendering. What the server
+was started with (the tool-call and reasoning parsers, the trust flag) is a `ChatConfig`.
 """
 
 from __future__ import annotations
@@ -25,17 +26,21 @@ from mambaserve.server.reasoning_parsers import reasoning_parser_class
 from mambaserve.server.tool_choice import ToolRequest, output_parser, parse_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the model's template decides
-# template variables a request may not set through chat_template_kwargs
+# template variables a request may not set through chat_template_kwargs (vLLM refuses
+# chat_template and tokenize there too)
 RESERVED = ("messages", "tools", "add_generation_prompt", "continue_final_message",
-            "bos_token", "eos_token", "raise_exception", "strftime_now")
+            "bos_token", "eos_token", "raise_exception", "strftime_now", "chat_template",
+            "tokenize")
 
 
 @dataclass(frozen=True)
 class ChatConfig:
-    """The server's chat options (`mambaserve serve --tool-call-parser / --reasoning-parser`)."""
+    """The server's chat options (`mambaserve serve --tool-call-parser / --reasoning-parser /
+    --trust-request-chat-template`)."""
 
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False  # vLLM's flag: take a request's chat_template
 
 
 @dataclass
@@ -47,6 +52,13 @@ class ChatInputs:
     continue_final_message: bool = False
     echo: bool = False
     include_reasoning: bool = True
+    template: str | None = None  # the request's chat_template ("" or None: the model's)
+
+    @property
+    def role(self) -> str:
+        """The role of the generated message, as vLLM names it: the assistant's after a
+        generation prompt, else the last message's (the model continues that message)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1]["role"]
 
     def output_spec(self, config: ChatConfig, prompt: str) -> ChatOutputSpec:
         """How the output of this request is read, once its prompt is rendered."""
@@ -58,10 +70,10 @@ class ChatInputs:
                 prompt, self.template_kwargs)
         echo = ""
         last = self.messages[-1]
-        if self.echo and last["role"] == "assistant" and isinstance(last.get("content"), str):
-            echo = last["content"]
+        if self.echo and last["role"] == self.role and isinstance(last.get("content"), str):
+            echo = last["content"]  # vLLM's echo: the last message, when of the same role
         return ChatOutputSpec(output_parser(self.tools, config.tool_call_parser), reasoning,
-                              echo, self.include_reasoning)
+                              echo, self.include_reasoning, self.role)
 
 
 def _content(m: dict, i: int) -> str | None:
@@ -171,10 +183,25 @@ def check_openai_fields(body: dict) -> None:
                                      str: "a string"}[kind], v)
 
 
+def _request_template(body: dict, config: ChatConfig) -> str | None:
+    """The request's own chat template; refused unless the server trusts request templates
+    (vLLM's check: a `chat_template` field, or one inside chat_template_kwargs)."""
+    template = get_str(body, "chat_template")
+    kwargs = body.get("chat_template_kwargs")
+    nested = isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
+    if not config.trust_request_chat_template and (template is not None or nested):
+        name = "chat_template" if template is not None else "chat_template_kwargs"
+        raise APIError(f"'{name}' carries a chat template, and this server only renders its "
+                       "own: start it with --trust-request-chat-template to allow request "
+                       "templates", param=name, code="untrusted_chat_template")
+    return check_unicode(template, "chat_template") if template else template
+
+
 def parse_chat_inputs(body: dict, config: ChatConfig) -> ChatInputs:
     check_openai_fields(body)
     messages = parse_messages(body)
     tools = parse_tools(body, config.tool_call_parser)
+    template = _request_template(body, config)
     kwargs = dict(get_obj(body, "chat_template_kwargs"))
     for k in kwargs:
         if k in RESERVED or not k.isidentifier():
@@ -190,7 +217,7 @@ def parse_chat_inputs(body: dict, config: ChatConfig) -> ChatInputs:
                        "message from the assistant", param="continue_final_message",
                        code="invalid_value")
     return ChatInputs(messages, tools, kwargs, add_gen, cont, get_bool(body, "echo", False),
-                      get_bool(body, "include_reasoning", True))
+                      get_bool(body, "include_reasoning", True), template)
 
 
 def render(tokenizer, chat: ChatInputs) -> str:
@@ -199,15 +226,23 @@ def render(tokenizer, chat: ChatInputs) -> str:
         raise APIError("this model has no tokenizer, so it cannot chat; use /v1/completions "
                        "with token ids", param="messages", code="no_chat_template")
     tools = chat.tools.tools if chat.tools is not None else None
+    # a failure of the request's own template names that field; the messages otherwise
+    param = "chat_template" if chat.template else "messages"
+    own = {"chat_template": chat.template} if chat.template else {}
     try:
         return tokenizer.apply_chat_template(
             chat.messages, add_generation_prompt=chat.add_generation_prompt, tools=tools,
-            continue_final_message=chat.continue_final_message, **chat.template_kwargs)
+            continue_final_message=chat.continue_final_message, **own, **chat.template_kwargs)
     except (ChatTemplateError, ValueError) as e:
-        raise APIError(f"cannot apply the chat template: {e}", param="messages",
+        raise APIError(_one_line(f"cannot apply the chat template: {e}"), param=param,
                        code="no_chat_template" if "no chat template" in str(e) else
                        "invalid_value") from None
     except Exception as e:  # noqa: BLE001 - a tokenizer class of another kind
-        raise APIError(f"the model's chat template failed on these messages: "
-                       f"{type(e).__name__}: {e}", param="messages",
+        raise APIError(_one_line(f"the chat template failed on these messages: "
+                                 f"{type(e).__name__}: {e}"), param=param,
                        code="invalid_value") from None
+
+
+def _one_line(message: str) -> str:
+    """A template's error (a syntax error's source line, a raise_exception text) on one line."""
+    return " ".join(message.split())

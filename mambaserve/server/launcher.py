@@ -41,7 +41,7 @@ def build_app(model: str | Path | None = None, *, served_model_name: str | None 
               allowed_hosts: Sequence[str] | None = None, max_body_bytes: int | None = None,
               timeout_body_s: float = 30.0, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, enable_prompt_tokens_details: bool = False,
-              **engine_kwargs):
+              trust_request_chat_template: bool = False, **engine_kwargs):
     """Load the model and wrap it: -> (FastAPI app, AsyncEngine). `engine_kwargs` are
     `EngineConfig` fields (dtype, device, max_num_seqs, ...); the other arguments are
     `create_app`'s."""
@@ -65,7 +65,8 @@ def build_app(model: str | Path | None = None, *, served_model_name: str | None 
                          max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                          body_timeout_s=timeout_body_s, tool_call_parser=tool_call_parser,
                          reasoning_parser=reasoning_parser,
-                         enable_prompt_tokens_details=enable_prompt_tokens_details)
+                         enable_prompt_tokens_details=enable_prompt_tokens_details,
+                         trust_request_chat_template=trust_request_chat_template)
     except Exception:
         engine.shutdown(drain=False)
         raise
@@ -188,7 +189,8 @@ def serve(model: str | Path | None, host: str = "127.0.0.1", port: int = 8000, *
           timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
           timeout_header_s: float = DEFAULT_TIMEOUT_HEADER_S, timeout_body_s: float = 30.0,
           tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-          enable_prompt_tokens_details: bool = False, **engine_kwargs) -> int:
+          enable_prompt_tokens_details: bool = False, trust_request_chat_template: bool = False,
+          **engine_kwargs) -> int:
     """Run the server until SIGTERM / SIGINT; then stop accepting connections, let the
     requests in flight finish (up to `drain_timeout` s, 0: none), end the rest with
     finish_reason "abort" and stop the engine."""
@@ -200,6 +202,7 @@ def serve(model: str | Path | None, host: str = "127.0.0.1", port: int = 8000, *
                             tool_call_parser=tool_call_parser,
                             reasoning_parser=reasoning_parser,
                             enable_prompt_tokens_details=enable_prompt_tokens_details,
+                            trust_request_chat_template=trust_request_chat_template,
                             **engine_kwargs)
     try:
         server = make_server(app, host, port, log_level=log_level,

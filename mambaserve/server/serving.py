@@ -346,7 +346,8 @@ class OpenAIServing:
                     gen_tokens[idx] = 0
                     if chat:
                         outputs[idx] = ChatChoiceOutput(parsed.chat)
-                        yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
+                        role = outputs[idx].spec.role
+                        yield chunk([{"index": idx, "delta": {"role": role, "content": ""},
                                       "logprobs": None, "finish_reason": None}])
                     elif late_echo:
                         pending_echo.add(idx)
@@ -355,6 +356,10 @@ class OpenAIServing:
                         offsets[idx] = len(text)
                         yield chunk([{"index": idx, "text": text, "logprobs": None,
                                       "finish_reason": None}])
+            for idx, output in outputs.items():  # chat echo: after all the role chunks
+                if d := output.echo_delta():
+                    yield chunk([{"index": idx, "delta": d, "logprobs": None,
+                                  "finish_reason": None}])
             async for p, out in merge(streams):
                 cached[p] = out.num_cached_tokens
                 for c in out.outputs:

@@ -3,6 +3,7 @@
     POST /tokenize {"prompt": "text", "add_special_tokens": true, "return_token_strs": false}
     POST /tokenize {"messages": [...], "add_generation_prompt": true, "tools": [...],
                     "chat_template_kwargs": {...}}          # the chat template's prompt
+      (a request's own "chat_template" too, under --trust-request-chat-template, as vLLM)
       -> {"count": N, "max_model_len": L, "tokens": [ids], "token_strs": [..] | null}
     POST /detokenize {"tokens": [ids]} -> {"prompt": "text"}
 

@@ -34,6 +34,7 @@ def test_defaults(captured):
     assert (captured["timeout_keep_alive_s"], captured["timeout_header_s"],
             captured["timeout_body_s"]) == (5.0, 10.0, 30.0)
     assert captured["enable_prompt_tokens_details"] is False  # cache hits stay unreported
+    assert captured["trust_request_chat_template"] is False  # request templates refused
 
 
 def test_flags_and_environment(captured, monkeypatch):
@@ -47,8 +48,9 @@ def test_flags_and_environment(captured, monkeypatch):
     assert captured["allowed_hosts"] == ["*.example.com"]
     assert captured["max_body_bytes"] == 512 << 10 and captured["timeout_header_s"] == 2.5
     assert cli.main(["serve", "--port", "0", "--api-key", "from-flag",
-                     "--enable-prompt-tokens-details"]) == 0
+                     "--enable-prompt-tokens-details", "--trust-request-chat-template"]) == 0
     assert captured["api_key"] == "from-flag" and captured["enable_prompt_tokens_details"]
+    assert captured["trust_request_chat_template"] is True
 
 
 @pytest.mark.parametrize("flag,value", [("--drain-timeout", "-1"), ("--max-body-mb", "0"),
