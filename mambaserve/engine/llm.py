@@ -112,12 +112,16 @@ class LLM:
         return [done[r] for r in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Render each conversation with the chat template and generate. `chat_template`: as
+        vLLM's, a Jinja template source rendered instead of the model's own (None or "": the
+        model's)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer")
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        texts = [tok.apply_chat_template(c) for c in convs]
+        texts = [tok.apply_chat_template(c, chat_template=chat_template) for c in convs]
         # the template writes the special tokens itself: no BOS added to it
         return self.generate([{"prompt": t, "prompt_token_ids": tok.encode(
             t, add_special_tokens=False)} for t in texts], sampling_params)

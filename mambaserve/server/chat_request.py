@@ -94,7 +94,8 @@ def _content(m: dict, i: int) -> str | None:
                                '({"type": "text", "text": ...}) are supported',
                                param=f"messages[{i}].content", code="invalid_value")
             parts.append(check_unicode(part["text"], f"messages[{i}].content"))
-        return "".join(parts)
+        # one string for the template, the parts a line apart (vLLM's "string" content format)
+        return "\n".join(parts)
     raise _type_error(f"messages[{i}].content", "a string or an array of text parts", c)
 
 

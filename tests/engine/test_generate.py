@@ -146,6 +146,20 @@ def test_chat_uses_template(tiny_llm):
     assert out.prompt == "<s>user: hi\n<s>assistant: "
 
 
+def test_chat_takes_a_template_of_its_own(tiny_llm):
+    """`chat_template` (vLLM's LLM.chat argument) is rendered instead of the model's."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }};{% endfor %}"
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = tiny_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=1),
+                        chat_template=template)[0]
+    expected = "[system] be brief;[user] hi;"
+    assert out.prompt == expected
+    tok = tiny_llm.get_tokenizer()
+    assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+    default = tiny_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=1))[0]
+    assert default.prompt_token_ids != out.prompt_token_ids  # the model's template otherwise
+
+
 @pytest.mark.parametrize("prompt, params, match", [
     ("", SamplingParams(), "empty prompt"),
     ({"prompt_token_ids": []}, SamplingParams(), "empty prompt"),

@@ -202,6 +202,25 @@ def test_tokenize_and_detokenize(server):
     assert usage["prompt_tokens"] == chat["count"]
 
 
+def test_text_parts_are_joined_with_newlines(server):
+    """Content given as text parts reaches the template as one string, the parts a line apart
+    (vLLM's "string" content format): in the prompt (/tokenize, usage) and in chat `echo`."""
+    tok = server.engine.tokenizer
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    joined = [{"role": "user", "content": "Hello\nworld"}]
+    text = tok.apply_chat_template(joined, add_generation_prompt=True)
+    assert text == "<s>user: Hello\nworld\n<s>assistant: "  # the tiny checkpoint's template
+    chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    usage = _post(server, CHAT, {"messages": [{"role": "user", "content": parts}],
+                                 "max_tokens": 1})["usage"]
+    assert usage["prompt_tokens"] == chat["count"]
+    reply = [{"type": "text", "text": "Well,"}, {"type": "text", "text": "then"}]
+    out = _post(server, CHAT, {"messages": MSG + [{"role": "assistant", "content": reply}],
+                               "echo": True, "max_tokens": 2, "temperature": 0})
+    assert out["choices"][0]["message"]["content"].startswith("Well,\nthen")
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),
