@@ -60,6 +60,17 @@ def start_server(ckpt, **kw) -> Served:
     return Served(app, engine, thread)
 
 
+def module_server(**kw):
+    """A module-scoped fixture: a server on the tiny checkpoint started with `kw` (the
+    options a test module is about), stopped after the module."""
+    @pytest.fixture(scope="module")
+    def served(tiny_ckpt):
+        s = start_server(tiny_ckpt, **kw)
+        yield s
+        s.thread.stop()
+    return served
+
+
 @pytest.fixture(scope="session")
 def server(tiny_ckpt):
     """The shared server: 16 sequences at once, so 64 concurrent requests queue."""

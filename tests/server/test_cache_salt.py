@@ -5,7 +5,7 @@ salts; accepted without effect when prefix caching is off."""
 from __future__ import annotations
 
 import pytest
-from conftest import start_server
+from conftest import module_server
 
 httpx = pytest.importorskip("httpx")
 
@@ -51,12 +51,7 @@ def test_without_prefix_caching_a_salt_changes_nothing(server, path):
     assert _text(path, _post(server, path, _body(path, cache_salt=None))) == plain  # null: none
 
 
-@pytest.fixture(scope="module")
-def cached(tiny_ckpt):
-    s = start_server(tiny_ckpt, enable_prefix_caching=True, max_num_seqs=4,
-                     memory_budget_bytes=32 << 20)
-    yield s
-    s.thread.stop()
+cached = module_server(enable_prefix_caching=True, max_num_seqs=4, memory_budget_bytes=32 << 20)
 
 
 def _hit_tokens(server) -> int:

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import start_server
+from conftest import module_server
 
 httpx = pytest.importorskip("httpx")
 
@@ -53,12 +53,8 @@ def test_a_priority_that_is_not_an_integer_is_a_400_naming_it(server, path, prio
     assert err["message"] == f"'priority' must be an integer, {want}"
 
 
-@pytest.fixture(scope="module")
-def prio_server(tiny_ckpt):
-    s = start_server(tiny_ckpt, scheduling_policy="priority", max_num_seqs=1,
-                     memory_budget_bytes=32 << 20)
-    yield s
-    s.thread.stop()
+prio_server = module_server(scheduling_policy="priority", max_num_seqs=1,
+                            memory_budget_bytes=32 << 20)
 
 
 @pytest.mark.parametrize("path", [CMPL, CHAT])

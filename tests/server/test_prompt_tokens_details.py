@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import start_server
+from conftest import module_server
 
 httpx = pytest.importorskip("httpx")
 
@@ -40,12 +40,8 @@ def _stream(server, path, body) -> list[dict]:
     return [json.loads(ln) for ln in lines[:-1]]
 
 
-@pytest.fixture(scope="module")
-def details(tiny_ckpt):
-    s = start_server(tiny_ckpt, enable_prefix_caching=True, enable_prompt_tokens_details=True,
-                     max_num_seqs=4, memory_budget_bytes=32 << 20)
-    yield s
-    s.thread.stop()
+details = module_server(enable_prefix_caching=True, enable_prompt_tokens_details=True,
+                        max_num_seqs=4, memory_budget_bytes=32 << 20)
 
 
 def _interval(server) -> int:

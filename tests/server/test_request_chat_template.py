@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import start_server
+from conftest import module_server
 
 httpx = pytest.importorskip("httpx")
 
@@ -40,12 +40,8 @@ def _prompt(server, body) -> str:
     return "".join(r["token_strs"])
 
 
-@pytest.fixture(scope="module")
-def trusting(tiny_ckpt):
-    s = start_server(tiny_ckpt, trust_request_chat_template=True, max_num_seqs=4,
-                     memory_budget_bytes=32 << 20)
-    yield s
-    s.thread.stop()
+trusting = module_server(trust_request_chat_template=True, max_num_seqs=4,
+                         memory_budget_bytes=32 << 20)
 
 
 # ---- chat_template ---------------------------------------------------------------------------
