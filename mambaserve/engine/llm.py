@@ -7,6 +7,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mambaserve.config import EngineConfig
+from mambaserve.engine.chat_content import (
+    ContentPartError,
+    check_template_kwargs,
+    join_text_parts,
+)
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.engine.outputs import RequestOutput
 from mambaserve.engine.prompt import prompt_cache_salt
@@ -113,15 +118,41 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Render each conversation with the chat template and generate. `chat_template`: as
-        vLLM's, a Jinja template source rendered instead of the model's own (None or "": the
-        model's)."""
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the chat template and generate; the arguments are
+        vLLM's. `chat_template`: a Jinja template source rendered instead of the model's own
+        (None or "": the model's). `chat_template_kwargs`: extra template variables (not the
+        reserved names the server refuses). `add_generation_prompt`: end with the assistant's
+        header; `continue_final_message` (needs add_generation_prompt=False): leave the last
+        message open for the model to continue. `tools`: tool definitions for the template.
+        A message's content may be a list of text parts, joined a line apart as the server
+        joins them."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true: pass add_generation_prompt=False to continue the last message")
+        kwargs = dict(chat_template_kwargs or {})
+        check_template_kwargs(kwargs)
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        texts = [tok.apply_chat_template(c, chat_template=chat_template) for c in convs]
+        texts = [tok.apply_chat_template(
+            [_with_text_content(m) for m in c], add_generation_prompt=add_generation_prompt,
+            tools=tools, continue_final_message=continue_final_message,
+            chat_template=chat_template, **kwargs) for c in convs]
         # the template writes the special tokens itself: no BOS added to it
         return self.generate([{"prompt": t, "prompt_token_ids": tok.encode(
             t, add_special_tokens=False)} for t in texts], sampling_params)
+
+
+def _with_text_content(message: dict) -> dict:
+    """The message with list-of-parts content joined into one string (as the server does)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    try:
+        return {**message, "content": join_text_parts(content)}
+    except ContentPartError as e:
+        raise ValueError(f"content[{e.index}]: {e}") from None

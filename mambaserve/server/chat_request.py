@@ -11,6 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from mambaserve.engine.chat_content import (
+    ContentPartError,
+    check_template_kwargs,
+    join_text_parts,
+)
 from mambaserve.engine.tokenizer import ChatTemplateError
 from mambaserve.server.chat_output import ChatOutputSpec
 from mambaserve.server.fields import (
@@ -26,11 +31,6 @@ from mambaserve.server.reasoning_parsers import reasoning_parser_class
 from mambaserve.server.tool_choice import ToolRequest, output_parser, parse_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the model's template decides
-# template variables a request may not set through chat_template_kwargs (vLLM refuses
-# chat_template and tokenize there too)
-RESERVED = ("messages", "tools", "add_generation_prompt", "continue_final_message",
-            "bos_token", "eos_token", "raise_exception", "strftime_now", "chat_template",
-            "tokenize")
 
 
 @dataclass(frozen=True)
@@ -86,16 +86,14 @@ def _content(m: dict, i: int) -> str | None:
     if isinstance(c, str):
         return check_unicode(c, f"messages[{i}].content")
     if isinstance(c, list):
-        parts = []
-        for j, part in enumerate(c):
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise APIError(f"messages[{i}].content[{j}]: only text parts "
-                               '({"type": "text", "text": ...}) are supported',
-                               param=f"messages[{i}].content", code="invalid_value")
-            parts.append(check_unicode(part["text"], f"messages[{i}].content"))
-        # one string for the template, the parts a line apart (vLLM's "string" content format)
-        return "\n".join(parts)
+        # one string for the template: the text-like parts a line apart (vLLM's "string"
+        # content format; engine/chat_content.py, shared with LLM.chat)
+        try:
+            text = join_text_parts(c)
+        except ContentPartError as e:
+            raise APIError(f"messages[{i}].content[{e.index}]: {e}",
+                           param=f"messages[{i}].content", code="invalid_value") from None
+        return check_unicode(text, f"messages[{i}].content")
     raise _type_error(f"messages[{i}].content", "a string or an array of text parts", c)
 
 
@@ -204,10 +202,10 @@ def parse_chat_inputs(body: dict, config: ChatConfig) -> ChatInputs:
     tools = parse_tools(body, config.tool_call_parser)
     template = _request_template(body, config)
     kwargs = dict(get_obj(body, "chat_template_kwargs"))
-    for k in kwargs:
-        if k in RESERVED or not k.isidentifier():
-            raise APIError(f"chat_template_kwargs may not set {k!r}",
-                           param="chat_template_kwargs", code="invalid_value")
+    try:
+        check_template_kwargs(kwargs)
+    except ValueError as e:
+        raise APIError(str(e), param="chat_template_kwargs", code="invalid_value") from None
     effort = get_str(body, "reasoning_effort")
     if effort is not None:
         kwargs.setdefault("reasoning_effort", effort)  # vLLM hands it to the template

@@ -160,6 +160,52 @@ def test_chat_takes_a_template_of_its_own(tiny_llm):
     assert default.prompt_token_ids != out.prompt_token_ids  # the model's template otherwise
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }};{% endfor %}"
+                 "{% if tools %}tools={{ tools | map(attribute='function.name') | join(',') }};"
+                 "{% endif %}{% if style %}style={{ style }};{% endif %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+@pytest.mark.parametrize("kwargs, msgs, expected", [
+    ({}, [{"role": "user", "content": "hi"}], "[user] hi;[assistant] "),
+    ({"chat_template_kwargs": {"style": "terse"}}, [{"role": "user", "content": "hi"}],
+     "[user] hi;style=terse;[assistant] "),
+    ({"add_generation_prompt": False}, [{"role": "user", "content": "hi"}], "[user] hi;"),
+    ({"add_generation_prompt": False, "continue_final_message": True},
+     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well"}],
+     "[user] hi;[assistant] Well"),
+    ({"tools": [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]},
+     [{"role": "user", "content": "hi"}], "[user] hi;tools=get_time;[assistant] "),
+    ({}, [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                       {"type": "input_text", "text": "b"},
+                                       {"type": "refusal", "refusal": "c"}]}],
+     "[user] a\nb\nc;[assistant] "),
+])
+def test_chat_takes_vllm_template_options(tiny_llm, kwargs, msgs, expected):
+    """chat_template_kwargs, add_generation_prompt, continue_final_message and tools (vLLM's
+    LLM.chat arguments) reach the template; content parts are joined as the server joins them."""
+    out = tiny_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=1),
+                        chat_template=CHAT_TEMPLATE, **kwargs)[0]
+    assert out.prompt == expected
+    tok = tiny_llm.get_tokenizer()
+    assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("kwargs, msgs, match", [
+    ({"chat_template_kwargs": {"messages": []}}, None, "may not set 'messages'"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, None,
+     "may not set 'add_generation_prompt'"),
+    ({"continue_final_message": True}, None, "cannot both be true"),
+    ({}, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"content\[0\]: only text parts"),
+])
+def test_chat_refuses_bad_template_options(tiny_llm, kwargs, msgs, match):
+    msgs = msgs or [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=match):
+        tiny_llm.chat(msgs, SamplingParams(max_tokens=1), **kwargs)
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("prompt, params, match", [
     ("", SamplingParams(), "empty prompt"),
     ({"prompt_token_ids": []}, SamplingParams(), "empty prompt"),

@@ -221,6 +221,42 @@ def test_text_parts_are_joined_with_newlines(server):
     assert out["choices"][0]["message"]["content"].startswith("Well,\nthen")
 
 
+@pytest.mark.parametrize("part, text", [
+    ({"type": "input_text", "text": "Hello"}, "Hello"),
+    ({"type": "output_text", "text": "Hello"}, "Hello"),
+    ({"type": "refusal", "refusal": "No."}, "No."),
+    ({"type": "thinking", "thinking": "hmm", "closed": True}, "hmm"),
+    ({"type": "text"}, None),  # a text or refusal part with no text is left out, as vLLM
+    ({"type": "refusal", "refusal": None}, None),
+])
+def test_text_like_parts_are_read_as_text(server, part, text):
+    """vLLM's other text-like part types reach the template as text, joined with the rest."""
+    tok = server.engine.tokenizer
+    content = [{"type": "text", "text": "A"}, part]
+    joined = "A" if text is None else f"A\n{text}"
+    expected = f"<s>user: {joined}\n<s>assistant: "  # the tiny checkpoint's template
+    assert tok.apply_chat_template([{"role": "user", "content": joined}]) == expected
+    out = _post(server, "/tokenize", {"messages": [{"role": "user", "content": content}]})
+    assert out["tokens"] == tok.encode(expected, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "http://x/a.png"}},
+    {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+    {"type": "video_url", "video_url": {"url": "http://x/a.mp4"}},
+    {"type": "mystery", "text": "x"},
+    {"type": "input_text"},
+    {"type": "thinking", "thinking": 5},
+])
+def test_other_parts_are_refused(server, part):
+    content = [{"type": "text", "text": "A"}, part]
+    err = _post(server, "/tokenize", {"messages": [{"role": "user", "content": content}]},
+                400)["error"]
+    assert err["param"] == "messages[0].content"
+    assert err["message"].startswith("messages[0].content[1]: only text parts")
+    assert "\n" not in err["message"]
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),
