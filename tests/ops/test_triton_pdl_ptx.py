@@ -1,7 +1,9 @@
 """What programmatic dependent launch lets a kernel do before `await_previous`, checked in the
 PTX Triton generates for a Hopper (sm_90; compiled on the host, no GPU needed): no global load,
 store, atomic or prefetch precedes `griddepcontrol.wait`, so nothing reads what the previous
-kernel may still be writing. The compile runs in a subprocess without the Triton interpreter."""
+kernel may still be writing; with the few-rows linears' weight prefetch on (tuning knob
+`prefetch_bytes`), L2 prefetches of the weight rows, which no kernel writes, and nothing else.
+The compile runs in a subprocess without the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -44,11 +46,21 @@ def sig(kern, const, fp8=False):
 CASES = {
     "gemv": (_gemv_kernel, dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, USE_DOT=False,
                                 IEEE=False, ACT=0, HAS_ADD=False, BLOCK_M=1, BLOCK_N=8,
-                                BLOCK_K=256, NUM_STAGES=3), False),
+                                BLOCK_K=256, NUM_STAGES=3, PREFETCH_LINES=0), False),
     "fp8_gemv": (_fp8_gemv_kernel, dict(STATIC=False, PREQUANT=True, HAS_BIAS=False,
                                         SPLIT=True, EVEN_K=True, USE_DOT=True, HW_FP8=True,
                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_A=1024,
-                                        NUM_STAGES=3, FOLD=1, PROMOTE_K=0), True),
+                                        NUM_STAGES=3, FOLD=1, PROMOTE_K=0,
+                                        PREFETCH_LINES=0), True),
+    # with the L2 prefetch of the weight rows (tuning knob prefetch_bytes): only prefetches
+    "gemv_prefetch": (_gemv_kernel, dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, USE_DOT=False,
+                                         IEEE=False, ACT=0, HAS_ADD=False, BLOCK_M=1, BLOCK_N=8,
+                                         BLOCK_K=256, NUM_STAGES=3, PREFETCH_LINES=16), False),
+    "fp8_gemv_prefetch": (_fp8_gemv_kernel, dict(STATIC=False, PREQUANT=True, HAS_BIAS=False,
+                                                 SPLIT=False, EVEN_K=True, USE_DOT=False,
+                                                 HW_FP8=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
+                                                 BLOCK_A=1024, NUM_STAGES=3, FOLD=1,
+                                                 PROMOTE_K=0, PREFETCH_LINES=16), True),
     "conv1d_update": (_conv_update_kernel, dict(K=4, HAS_BIAS=True, SILU=True, BLOCK_D=256,
                                                      SHARED_LANES=False, SNAP=False),
                       False),
@@ -95,3 +107,9 @@ def before_the_wait():
 def test_no_memory_is_touched_before_the_wait(before_the_wait, kernel):
     assert before_the_wait[kernel] == {"loads": 0, "stores": 0, "atomics": 0,
                                               "prefetches": 0}
+
+
+@pytest.mark.parametrize("kernel", ["gemv_prefetch", "fp8_gemv_prefetch"])
+def test_the_weight_prefetch_is_all_that_precedes_the_wait(before_the_wait, kernel):
+    # 8 rows x 16 lines over 128 threads: one prefetch each, kept though its result is unused
+    assert before_the_wait[kernel] == {"loads": 0, "stores": 0, "atomics": 0, "prefetches": 1}

@@ -95,6 +95,28 @@ def hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(idx) >= (9, 0)
 
 
+def prefetch_programs(cfg, sms: int, programs: int) -> int:
+    """How many of a few-rows linear's programs (the first, in launch order) prefetch their
+    weight rows: the tuning entry's `prefetch_sms` times the SM count, all when 0."""
+    per_sm = cfg["prefetch_sms"]
+    return programs if not per_sm else min(programs, int(per_sm * sms))
+
+
+@triton.jit
+def prefetch_rows_l2(w_ptr, rows, row_ok, stride, k_lo, k_hi, LINES: tl.constexpr,
+                     LINE_ELEMS: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines (LINE_ELEMS elements each) of every weight row
+    `rows` (where `row_ok`) in its K range [k_lo, k_hi): PTX `prefetch.global.L2`, one per line,
+    fire-and-forget (no register written, nothing waited for). Compiled CUDA code only (inline
+    PTX); for memory no kernel writes (the weights), so it may precede `await_previous`."""
+    ks = k_lo + tl.arange(0, LINES) * LINE_ELEMS
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride + ks[None, :]
+    ok = (row_ok[:, None] & (ks[None, :] < k_hi)).to(tl.int32)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def await_previous(PDL: tl.constexpr):
     """Under programmatic dependent launch: wait until the previous kernel of the stream has

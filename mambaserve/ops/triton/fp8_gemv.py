@@ -47,7 +47,14 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch, pow2
+from mambaserve.ops.triton._common import (
+    await_previous,
+    num_sms,
+    pdl_launch,
+    pow2,
+    prefetch_programs,
+    prefetch_rows_l2,
+)
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
 from mambaserve.ops.triton.gemv import split_k_sum, split_scratch
 
@@ -76,15 +83,16 @@ def _weight(w, HW_FP8: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["M", "stride_ws", "split_k"])
+@triton.jit(do_not_specialize=["M", "stride_ws", "split_k", "pf_programs"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_wn, stride_ws, stride_om, k_per_split, split_k,
+                     pf_programs,
                      STATIC: tl.constexpr, PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                      HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
                      NUM_STAGES: tl.constexpr, FOLD: tl.constexpr, PROMOTE_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -93,6 +101,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
     col_ok = cols < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PDL and PREFETCH_LINES > 0 and not USE_DOT:
+        # the weight is no kernel's output: L2 may fetch it while the previous kernel runs (the
+        # first pf_programs programs, those scheduled early)
+        early = pid_n + pid_k * tl.num_programs(0) < pf_programs
+        prefetch_rows_l2(w_ptr, cols, col_ok & early, stride_wn, k_lo, k_hi, PREFETCH_LINES,
+                         128)
     await_previous(PDL)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     # the rows' scales: every program computes them (x is small and sits in L2)
@@ -209,7 +223,9 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
             "split_k": split_k, "k_per_split": k_per_split, "block_a": max(64, 2048 // block_m),
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
             "num_warps": cfg["num_warps"], "num_stages": num_stages, "max_m": cfg["max_m"],
-            "fold": min(cfg["fold"], block_k), "promote_k": cfg["promote_k"]}
+            "fold": min(cfg["fold"], block_k), "promote_k": cfg["promote_k"],
+            "prefetch_lines": cfg["prefetch_bytes"] // 128,
+            "prefetch_programs": prefetch_programs(cfg, sms, triton.cdiv(N, block_n) * split_k)}
 
 
 def prequantize(device) -> bool:
@@ -254,11 +270,12 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         x, weight, ws, input_scale if static or prequant else ws,
         bias if bias is not None else ws, y, part, counters, M, N, K, x.stride(0),
         weight.stride(0), 0 if ws.numel() == 1 else ws.stride(0), N, plan["k_per_split"], split,
+        plan["prefetch_programs"],
         STATIC=static, PREQUANT=prequant, HAS_BIAS=bias is not None, SPLIT=split > 1,
         EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], BLOCK_A=plan["block_a"],
         NUM_STAGES=plan["num_stages"], FOLD=plan["fold"], PROMOTE_K=plan["promote_k"],
-        num_warps=plan["num_warps"],
+        PREFETCH_LINES=plan["prefetch_lines"], num_warps=plan["num_warps"],
         **pdl_launch(x.device, _fp8_gemv_kernel))
     return y

@@ -39,7 +39,14 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch, pow2
+from mambaserve.ops.triton._common import (
+    await_previous,
+    num_sms,
+    pdl_launch,
+    pow2,
+    prefetch_programs,
+    prefetch_rows_l2,
+)
 from mambaserve.ops.triton.activation import relu2_triton, silu_mul_triton
 
 MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any split launch)
@@ -49,13 +56,13 @@ MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any s
 ACTIVATIONS = {"relu2": 1, "silu_mul": 2}
 
 
-@triton.jit(do_not_specialize=["M", "split_k"])
+@triton.jit(do_not_specialize=["M", "split_k", "pf_programs"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K, stride_xm,
-                 stride_wn, stride_ym, stride_am, k_per_split, split_k, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-                 IEEE: tl.constexpr, ACT: tl.constexpr, HAS_ADD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                 stride_wn, stride_ym, stride_am, k_per_split, split_k, pf_programs,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
+                 HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -65,6 +72,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
     ks = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PDL and PREFETCH_LINES > 0 and not USE_DOT:
+        # the weight is no kernel's output: L2 may fetch it while the previous kernel runs (the
+        # first pf_programs programs, those scheduled early)
+        early = pid_n + pid_k * tl.num_programs(0) < pf_programs
+        prefetch_rows_l2(w_ptr, cols, col_ok & early, stride_wn, k_lo, k_hi, PREFETCH_LINES,
+                         1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
     await_previous(PDL)
     w_tile = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
@@ -214,7 +227,8 @@ def launch_plan(M: int, N: int, K: int, device, dot: bool = True) -> dict:
             "block_k": block_k, "split_k": split_k, "k_per_split": k_per_split,
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-            "max_m": cfg["max_m"]}
+            "max_m": cfg["max_m"], "prefetch_lines": cfg["prefetch_bytes"] // 128,
+            "prefetch_programs": prefetch_programs(cfg, sms, blocks * split_k)}
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -283,9 +297,11 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None):
         x, weight, bias if bias is not None else y, y, part, counters,
         add if add is not None else y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         add.stride(0) if add is not None else 0, plan["k_per_split"], split,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=plan["even_k"],
+        plan["prefetch_programs"], HAS_BIAS=bias is not None, SPLIT=split > 1,
+        EVEN_K=plan["even_k"],
         USE_DOT=plan["use_dot"], IEEE=x.dtype == torch.float32, ACT=act,
         HAS_ADD=add is not None, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
-        BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"], num_warps=plan["num_warps"],
+        BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"],
+        PREFETCH_LINES=plan["prefetch_lines"], num_warps=plan["num_warps"],
         **pdl_launch(x.device, _gemv_kernel))
     return y
