@@ -225,7 +225,8 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
             "num_warps": cfg["num_warps"], "num_stages": num_stages, "max_m": cfg["max_m"],
             "fold": min(cfg["fold"], block_k), "promote_k": cfg["promote_k"],
             "prefetch_lines": cfg["prefetch_bytes"] // 128,
-            "prefetch_programs": prefetch_programs(cfg, sms, triton.cdiv(N, block_n) * split_k)}
+            "prefetch_programs": prefetch_programs(cfg["prefetch_sms"], sms,
+                                                   triton.cdiv(N, block_n) * split_k)}
 
 
 def prequantize(device) -> bool:

@@ -228,7 +228,7 @@ def launch_plan(M: int, N: int, K: int, device, dot: bool = True) -> dict:
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "max_m": cfg["max_m"], "prefetch_lines": cfg["prefetch_bytes"] // 128,
-            "prefetch_programs": prefetch_programs(cfg, sms, blocks * split_k)}
+            "prefetch_programs": prefetch_programs(cfg["prefetch_sms"], sms, blocks * split_k)}
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
