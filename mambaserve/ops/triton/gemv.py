@@ -61,8 +61,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
                  stride_wn, stride_ym, stride_am, k_per_split, split_k, pf_programs,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                  USE_DOT: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
-                 HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr):
+                 HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
