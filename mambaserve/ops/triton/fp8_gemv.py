@@ -35,6 +35,10 @@ activation); under the CPU
 interpreter, where float8 decoding is not right, `e4m3_decode` / `e4m3_encode`, the same
 bits done with integer operations (`ops/triton/fp8_codec.py`; the `HW_FP8` constexpr picks).
 
+Under programmatic dependent launch the CUDA-core launch's programs first ask L2 for the first
+`prefetch_bytes` of their weight rows (`_common.prefetch_rows_l2`), then wait for the previous
+kernel: the weight is no kernel's output, and its stream starts while that kernel runs.
+
 Launch parameters: `tuning` entry "fp8_gemv". No host sync, no value-dependent branch: CUDA-graph
 capturable.
 """

@@ -28,7 +28,8 @@ result in the epilogue (`gemv_triton(..., add=)`), each with torch's roundings. 
 weight with 16-bit rows, out in float32 (`gemv_float32_triton`, the CUDA-core launch: NemotronH's
 router, whose product transformers computes in float32).
 
-Launch parameters: `tuning` entry "gemv" (`launch_plan` resolves its None knobs). No host sync,
+Launch parameters: `tuning` entry "gemv" (`launch_plan` resolves its None knobs; its
+`prefetch_bytes`, off, is the FP8 kernel's weight prefetch before the PDL wait). No host sync,
 no value-dependent branch on the host: CUDA-graph capturable.
 """
 
