@@ -157,11 +157,15 @@ def _check_bench(a: argparse.Namespace) -> None:
 
 
 def _check_outputs(a: argparse.Namespace) -> None:
-    """--out / --plot files must go to an existing folder: found out before the run, not after."""
+    """--out / --plot files must go to an existing folder, and MAMBASERVE_TUNING must name known
+    kernel knobs: found out before the run, not after."""
     for flag in ("out", "plot"):
         path = getattr(a, flag, None)
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"--{flag} {path}: the folder {Path(path).parent} does not exist")
+    from mambaserve.ops.triton import tuning  # torch only, no Triton import
+
+    tuning.env_values()
 
 
 PREFLIGHT = {"serve": _check_serve, "bench": _check_bench}

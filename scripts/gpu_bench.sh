@@ -5,7 +5,7 @@
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
 #         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve
-#         fp8-sweep fp8-rows fp8-state pdl dense-attn host sampler
+#         fp8-sweep fp8-rows fp8-state pdl prefetch dense-attn host sampler
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -398,6 +398,21 @@ stage_pdl() {  # programmatic dependent launch (MAMBASERVE_PDL, on by default): 
                 --dtype bfloat16 --batch-size 1,8 --input-len 2048 --output-len 24 \
                 --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
                 --out "$W/pdl_${on}_$p.json"
+        done
+    done
+}
+stage_prefetch() {  # the FP8 few-rows linear's weight prefetch before its PDL wait (tuning knob
+    # prefetch_bytes, kernels.md): its GPU tests, then FP8 decode batch 1 / 8 at context 2048
+    # with it off (0) and at its default (2048), interleaved, through MAMBASERVE_TUNING
+    run prefetch-tests 200 $PY -m pytest -q -p no:cacheprovider $XDIST \
+        tests/ops/test_triton_fp8_gemv.py tests/ops/test_triton_pdl.py
+    for i in 1 2; do
+        for pf in 0 2048; do
+            MAMBASERVE_TUNING=fp8_gemv.prefetch_bytes=$pf run "prefetch-$pf-$i" 200 $MS bench \
+                one-batch --preset $PRESET --device cuda --dtype bfloat16 --batch-size 1,8 \
+                --input-len 2048 --output-len 48 --engine \
+                enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true,quantization=fp8 \
+                --out "$W/prefetch_${pf}_$i.json"
         done
     done
 }

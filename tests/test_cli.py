@@ -114,6 +114,20 @@ def test_a_mistake_is_one_line_before_the_model_loads(argv, expected, capsys, no
     _one_line_error(capsys, argv, expected)
 
 
+def test_a_bad_tuning_environment_stops_the_command_before_the_model_loads(
+        capsys, no_model_load, monkeypatch):
+    from mambaserve.ops.triton import tuning
+
+    monkeypatch.setenv(tuning.TUNING_ENV, "fp8_gemv.prefetch_byte=0")
+    tuning.env_values.cache_clear()
+    try:
+        _one_line_error(capsys, ["bench", "one-batch", "--preset", "tiny"],
+                        "MAMBASERVE_TUNING: kernel 'fp8_gemv' has no knob 'prefetch_byte'")
+    finally:
+        monkeypatch.delenv(tuning.TUNING_ENV)
+        tuning.env_values.cache_clear()
+
+
 def test_the_error_names_the_command(capsys, no_model_load):
     err = _one_line_error(capsys, ["eval", "perplexity", "/nonexistent.txt"], "no such file")
     assert err.startswith("mambaserve eval perplexity: error: ")

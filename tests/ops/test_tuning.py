@@ -76,6 +76,50 @@ def test_unknown_names_are_rejected():
         tuning.config("flash", "cpu")
 
 
+@pytest.fixture
+def tuning_env(monkeypatch):
+    """Set MAMBASERVE_TUNING for one test (read again; the process's value restored after)."""
+    def set_env(text):
+        monkeypatch.setenv(tuning.TUNING_ENV, text)
+        tuning.env_values.cache_clear()
+    yield set_env
+    monkeypatch.delenv(tuning.TUNING_ENV, raising=False)
+    tuning.env_values.cache_clear()
+
+
+def test_the_environment_sets_knobs_under_the_overrides(tuning_env):
+    tuning_env(" relu2.block=64, ssd.num_warps_scan=8 ,relu2.num_warps=None,")
+    assert tuning.config("relu2", "cpu") == {"block": 64, "num_warps": None}
+    ssd = tuning.config("ssd", "cpu")
+    assert ssd["num_warps_scan"] == 8
+    assert ssd["block_p_state"] == tuning.DEFAULT["ssd"]["block_p_state"]
+    assert tuning.config("fp8_gemv", "cpu") == dict(tuning.DEFAULT["fp8_gemv"])
+    with tuning.override("relu2", block=16):  # an override wins over the environment
+        assert tuning.config("relu2", "cpu") == {"block": 16, "num_warps": None}
+    x = torch.randn(300, device=DEV)  # and the launch takes the environment's block
+    tuning_env("relu2.block=48")
+    with pytest.raises(Exception):  # noqa: B017  tl.arange needs a power of two
+        relu2_triton(x)
+    tuning_env("relu2.block=32,relu2.num_warps=1")
+    assert torch.equal(relu2_triton(x), torch.relu(x).square())
+    tuning_env("")
+    assert tuning.config("relu2", "cpu") is tuning.DEFAULT["relu2"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("relu2", "'relu2' is not kernel.knob=value"),
+    ("block=64", "'block=64' is not kernel.knob=value"),
+    ("flash.block=64", "no tuning entry 'flash'"),
+    ("relu2.block_q=64", "kernel 'relu2' has no knob 'block_q'; its knobs: ['block', "),
+    ("relu2.block=sixty", "'relu2.block=sixty': the value is not a Python literal"),
+])
+def test_a_bad_environment_is_one_line(tuning_env, text, message):
+    tuning_env(text)
+    with pytest.raises(ValueError, match="MAMBASERVE_TUNING: ") as err:
+        tuning.config("relu2", "cpu")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_launchers_read_the_table():
     """An override reaches the launch: a block the kernel cannot take is refused by Triton."""
     x = torch.randn(40, device=DEV)

@@ -15,13 +15,24 @@ Sweeps and tests change knobs with `override`, never through launcher arguments:
 
 Overrides apply on every device, nest (the innermost value of a knob wins), are local to the
 current thread / asyncio context, and reject knob names the kernel does not have.
+
+A whole process (a benchmark, a server and its tensor-parallel workers, which inherit the
+environment) takes knob values from the environment variable MAMBASERVE_TUNING, entries
+`kernel.knob=value` separated by commas, values Python literals (`None`, `True`, numbers):
+
+    MAMBASERVE_TUNING=fp8_gemv.prefetch_bytes=0,ssd.num_warps_scan=8 mambaserve bench ...
+
+They sit on top of the table and below `override`, read once per process; an unknown kernel or
+knob, or a value that is not a literal, is a one-line ValueError (the CLI checks it at start).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import functools
+import os
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
@@ -164,17 +175,52 @@ def table_for(device) -> Mapping[str, Mapping[str, object]]:
     return BY_CAPABILITY.get(_cuda_capability(idx), DEFAULT)
 
 
+# knob values for the whole process: "kernel.knob=value,..." (module docstring)
+TUNING_ENV = "MAMBASERVE_TUNING"
+
+
+@functools.cache
+def env_values() -> Mapping[str, Mapping[str, object]]:
+    """MAMBASERVE_TUNING's knob values by kernel, read once per process (`cache_clear()` reads
+    it again); ValueError (one line, naming the entry) for an entry that is not
+    `kernel.knob=literal` of a known kernel and knob."""
+    return parse_tuning(os.environ.get(TUNING_ENV, ""))
+
+
+def parse_tuning(text: str) -> Mapping[str, Mapping[str, object]]:
+    """The knob values of a MAMBASERVE_TUNING string, by kernel (`env_values`)."""
+    out: dict[str, dict[str, object]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, raw = item.partition("=")
+        kernel, dot, knob = name.strip().partition(".")
+        if not sep or not dot:
+            raise ValueError(f"{TUNING_ENV}: {item!r} is not kernel.knob=value")
+        if kernel not in DEFAULT:
+            raise ValueError(f"{TUNING_ENV}: no tuning entry {kernel!r}; known: {sorted(DEFAULT)}")
+        if knob not in DEFAULT[kernel]:
+            raise ValueError(f"{TUNING_ENV}: kernel {kernel!r} has no knob {knob!r}; its knobs: "
+                             f"{sorted(DEFAULT[kernel])}")
+        try:
+            value = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{TUNING_ENV}: {item!r}: the value is not a Python literal "
+                             "(a number, True, False or None)") from None
+        out.setdefault(kernel, {})[knob] = value
+    return MappingProxyType({k: MappingProxyType(v) for k, v in out.items()})
+
+
 def config(kernel: str, device) -> Mapping[str, object]:
-    """The knobs of `kernel` on `device` (read-only): the device's table entry with the active
-    overrides on top."""
+    """The knobs of `kernel` on `device` (read-only): the device's table entry, then the values
+    of MAMBASERVE_TUNING, then the active overrides on top."""
     entry = table_for(device).get(kernel)
     if entry is None:
         raise KeyError(f"no tuning entry for kernel {kernel!r}; known: {sorted(DEFAULT)}")
+    from_env = env_values().get(kernel)
     active = [values for name, values in _overrides.get() if name == kernel]
-    if not active:
+    if not active and not from_env:
         return entry
     knobs = dict(entry)
-    for values in active:
+    for values in ([from_env] if from_env else []) + active:
         knobs.update(values)
     return MappingProxyType(knobs)
 
@@ -195,4 +241,5 @@ def override(kernel: str, **knobs: object) -> Iterator[None]:
         _overrides.reset(token)
 
 
-__all__ = ["BY_CAPABILITY", "DEFAULT", "SM90", "config", "override", "table_for"]
+__all__ = ["BY_CAPABILITY", "DEFAULT", "SM90", "TUNING_ENV", "config", "env_values", "override",
+           "parse_tuning", "table_for"]
