@@ -307,7 +307,7 @@ def test_gpu_9b_shapes_match_the_reference(M, K, N, static):
 @pytest.mark.parametrize("knobs", [{"dot_min_m": 1}, {"dot_min_m": 99}, {"split_k": 4},
                                    {"max_m": 64}, {"dot_min_m": 1, "promote_k": 32},
                                    {"prefetch_bytes": 0},
-                                   {"prefetch_bytes": 4096, "prefetch_sms": 1, "split_k": 2}])
+                                   {"prefetch_bytes": 4096, "split_k": 2}])
 @pytest.mark.parametrize("M", [1, 8])
 def test_gpu_knobs(knobs, M):
     M = 64 if knobs.get("max_m") == 64 else M

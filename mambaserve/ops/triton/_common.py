@@ -95,12 +95,6 @@ def hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(idx) >= (9, 0)
 
 
-def prefetch_programs(per_sm: float, sms: int, programs: int) -> int:
-    """How many of a few-rows linear's programs (the first, in launch order) prefetch their
-    weight rows: `per_sm` (a tuning entry's `prefetch_sms`) times the SM count, all when 0."""
-    return programs if not per_sm else min(programs, int(per_sm * sms))
-
-
 @triton.jit
 def prefetch_rows_l2(w_ptr, rows, row_ok, stride, k_lo, k_hi, LINES: tl.constexpr,
                      LINE_ELEMS: tl.constexpr):

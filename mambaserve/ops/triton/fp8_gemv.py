@@ -56,7 +56,6 @@ from mambaserve.ops.triton._common import (
     num_sms,
     pdl_launch,
     pow2,
-    prefetch_programs,
     prefetch_rows_l2,
 )
 from mambaserve.ops.triton.fp8_codec import e4m3_decode, e4m3_encode
@@ -87,10 +86,9 @@ def _weight(w, HW_FP8: tl.constexpr):
     return out
 
 
-@triton.jit(do_not_specialize=["M", "stride_ws", "split_k", "pf_programs"])
+@triton.jit(do_not_specialize=["M", "stride_ws", "split_k"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_wn, stride_ws, stride_om, k_per_split, split_k,
-                     pf_programs,
                      STATIC: tl.constexpr, PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
                      HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -106,10 +104,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, in_scale_ptr, bias_ptr, out_ptr, part
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if PDL and PREFETCH_LINES > 0 and not USE_DOT:
-        # the weight is no kernel's output: L2 may fetch it while the previous kernel runs (the
-        # first pf_programs programs, those scheduled early)
-        early = pid_n + pid_k * tl.num_programs(0) < pf_programs
-        prefetch_rows_l2(w_ptr, cols, col_ok & early, stride_wn, k_lo, k_hi, PREFETCH_LINES,
+        # the weight is no kernel's output: L2 may fetch it while the previous kernel runs
+        prefetch_rows_l2(w_ptr, cols, col_ok, stride_wn, k_lo, k_hi, PREFETCH_LINES,
                          128)
     await_previous(PDL)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
@@ -228,9 +224,7 @@ def launch_plan(M: int, N: int, K: int, device) -> dict:
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
             "num_warps": cfg["num_warps"], "num_stages": num_stages, "max_m": cfg["max_m"],
             "fold": min(cfg["fold"], block_k), "promote_k": cfg["promote_k"],
-            "prefetch_lines": cfg["prefetch_bytes"] // 128,
-            "prefetch_programs": prefetch_programs(cfg["prefetch_sms"], sms,
-                                                   triton.cdiv(N, block_n) * split_k)}
+            "prefetch_lines": cfg["prefetch_bytes"] // 128}
 
 
 def prequantize(device) -> bool:
@@ -275,7 +269,6 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         x, weight, ws, input_scale if static or prequant else ws,
         bias if bias is not None else ws, y, part, counters, M, N, K, x.stride(0),
         weight.stride(0), 0 if ws.numel() == 1 else ws.stride(0), N, plan["k_per_split"], split,
-        plan["prefetch_programs"],
         STATIC=static, PREQUANT=prequant, HAS_BIAS=bias is not None, SPLIT=split > 1,
         EVEN_K=plan["even_k"], USE_DOT=plan["use_dot"],
         HW_FP8=x.device.type == "cuda" and not _INTERPRETED, BLOCK_M=plan["block_m"],

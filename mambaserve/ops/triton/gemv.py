@@ -45,7 +45,6 @@ from mambaserve.ops.triton._common import (
     num_sms,
     pdl_launch,
     pow2,
-    prefetch_programs,
     prefetch_rows_l2,
 )
 from mambaserve.ops.triton.activation import relu2_triton, silu_mul_triton
@@ -57,9 +56,9 @@ MAX_COLUMN_BLOCKS = 1 << 16  # arrival counters per device (N / block_n of any s
 ACTIVATIONS = {"relu2": 1, "silu_mul": 2}
 
 
-@triton.jit(do_not_specialize=["M", "split_k", "pf_programs"])
+@triton.jit(do_not_specialize=["M", "split_k"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K, stride_xm,
-                 stride_wn, stride_ym, stride_am, k_per_split, split_k, pf_programs,
+                 stride_wn, stride_ym, stride_am, k_per_split, split_k,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                  USE_DOT: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
                  HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -75,10 +74,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if PDL and PREFETCH_LINES > 0 and not USE_DOT:
-        # the weight is no kernel's output: L2 may fetch it while the previous kernel runs (the
-        # first pf_programs programs, those scheduled early)
-        early = pid_n + pid_k * tl.num_programs(0) < pf_programs
-        prefetch_rows_l2(w_ptr, cols, col_ok & early, stride_wn, k_lo, k_hi, PREFETCH_LINES,
+        # the weight is no kernel's output: L2 may fetch it while the previous kernel runs
+        prefetch_rows_l2(w_ptr, cols, col_ok, stride_wn, k_lo, k_hi, PREFETCH_LINES,
                          1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
     await_previous(PDL)
     w_tile = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -229,8 +226,7 @@ def launch_plan(M: int, N: int, K: int, device, dot: bool = True) -> dict:
             "block_k": block_k, "split_k": split_k, "k_per_split": k_per_split,
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-            "max_m": cfg["max_m"], "prefetch_lines": cfg["prefetch_bytes"] // 128,
-            "prefetch_programs": prefetch_programs(cfg["prefetch_sms"], sms, blocks * split_k)}
+            "max_m": cfg["max_m"], "prefetch_lines": cfg["prefetch_bytes"] // 128}
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -299,8 +295,7 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None):
         x, weight, bias if bias is not None else y, y, part, counters,
         add if add is not None else y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         add.stride(0) if add is not None else 0, plan["k_per_split"], split,
-        plan["prefetch_programs"], HAS_BIAS=bias is not None, SPLIT=split > 1,
-        EVEN_K=plan["even_k"],
+        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=plan["even_k"],
         USE_DOT=plan["use_dot"], IEEE=x.dtype == torch.float32, ACT=act,
         HAS_ADD=add is not None, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
         BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"],

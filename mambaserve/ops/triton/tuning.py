@@ -125,11 +125,11 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # linear of few rows (ops/triton/gemv.py): the dispatch routes at most max_m token rows of
     # bf16 / fp16 decode projections to it; None = the launcher's rules (`launch_plan`);
     # prefetch_bytes: under PDL the CUDA-core launch's programs ask L2 for that many bytes of
-    # each weight row before the wait (the first prefetch_sms x SMs programs; 0: all), off here
+    # each weight row before the wait, off here
     # (bf16 batch-1 decode 0.09 ms slower with 2,048 on an H100: docs/kernels.md)
     "gemv": MappingProxyType({"max_m": 8, "use_dot": None, "block_n": None, "block_k": None,
                               "split_k": None, "num_warps": 4, "num_stages": 4,
-                              "prefetch_bytes": 0, "prefetch_sms": 0}),
+                              "prefetch_bytes": 0}),
     # FP8 linear of few rows (ops/triton/fp8_gemv.py): the dispatch routes at most max_m token
     # rows to it (unless MAMBASERVE_FP8_GEMV=0); tensor cores from dot_min_m rows,
     # CUDA-core FMAs below; None = the launcher's rules (`launch_plan`); prequant: dynamic
@@ -142,13 +142,13 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # added to the float32 accumulator (0: every product exact, the operands upcast to fp16 MMAs;
     # 32: native fp8 wgmma instructions, each promoted: docs/kernels.md, "FP8 linear")
     # split_waves: the programs per SM below which the rules split K (None: by the inner product)
-    # prefetch_bytes / prefetch_sms: as "gemv"'s, for the CUDA-core launch (below dot_min_m rows):
+    # prefetch_bytes: as "gemv"'s, for the CUDA-core launch (below dot_min_m rows):
     # FP8 batch-1 decode 4.04-4.05 -> 4.00 ms with 2,048 on an H100 (docs/kernels.md)
     "fp8_gemv": MappingProxyType({"max_m": 32, "dot_min_m": 4, "block_n": None, "block_k": None,
                                   "split_k": None, "split_waves": None, "num_warps": 4,
                                   "num_stages": None,
                                   "prequant": True, "fold": 1, "promote_k": 0,
-                                  "prefetch_bytes": 2048, "prefetch_sms": 0}),
+                                  "prefetch_bytes": 2048}),
 })
 
 # No other device has been tuned: the sm_90 values serve everywhere else.
