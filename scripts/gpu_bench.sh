@@ -417,13 +417,14 @@ stage_prefetch() {  # the FP8 few-rows linear's weight prefetch before its PDL w
     done
 }
 stage_ssd-variants() {  # the SSD scan's launch variants (kernels.md, "SSD chunked scan"): their
-    # GPU tests, the scan between the 9B layer's GEMMs with each (launch F at 32- and 64-position
-    # blocks, launch C over two heads with CB in bf16), then TTFT 1x2048 with the four launches
-    # and with launch F, interleaved, through MAMBASERVE_TUNING
+    # GPU tests, the scan between the 9B layer's GEMMs with each (launch F at 32-position blocks
+    # with 1 and 2 stages and at 64, launch C over two heads with CB in bf16), then TTFT 1x2048
+    # with the four launches and with launch F, interleaved, through MAMBASERVE_TUNING
     run ssd-variants-tests 200 $PY -m pytest -q -p no:cacheprovider $XDIST \
         tests/ops/test_triton_ssd.py -k "gpu and (fused or heads or regs or cb_half)"
     local i=0 v
-    for v in "" ssd.fused=True ssd.fused=True,ssd.block_m_fused=64 \
+    for v in "" ssd.fused=True ssd.fused=True,ssd.num_stages_fused=2 \
+            ssd.fused=True,ssd.block_m_fused=64 \
             ssd.heads_scan=2,ssd.num_stages_scan=1,ssd.cb_half=True; do
         i=$((i + 1))
         log "ssd variant $i: MAMBASERVE_TUNING=$v"

@@ -331,6 +331,7 @@ GPU_KNOBS = {
     "heads2_s1_cb_half": {"heads_scan": 2, "num_stages_scan": 1, "cb_half": True},
     "fused_m32": {"fused": True, "block_m_fused": 32},
     "fused_m64": {"fused": True, "block_m_fused": 64},
+    "fused_s2": {"fused": True, "num_stages_fused": 2},
 }
 
 

@@ -135,7 +135,7 @@ class SsdScan:
         # launch F instead of S, CB and C (contiguous chunks only); its column tiles are launch
         # C's, its N tile the whole state
         self.fused = bool(k["fused"]) and self.contig
-        self.warps_fused = k["num_warps_fused"]
+        self.warps_fused, self.stages_fused = k["num_warps_fused"], k["num_stages_fused"]
         self.bmf = k["block_m_fused"] or min(L, 32)
         assert self.heads_scan >= 1 and H % self.heads_scan == 0, (
             f"heads_scan must divide the {H} heads, got {self.heads_scan}")
@@ -235,7 +235,7 @@ class SsdScan:
             self.row_chunks.stride(0),
             L=self.L, BLOCK_M=self.bmf, BLOCK_N=_pow2_at_most(self.N, 1 << 30), BLOCK_P=self.bpc,
             BLOCK_P2=self.bpc2, IP=self.ip, SNAPS=snaps is not None,
-            num_warps=self.warps_fused,
+            num_warps=self.warps_fused, num_stages=self.stages_fused,
         )
 
     def launch_cb(self) -> None:
