@@ -253,12 +253,15 @@ def test_ssd_fp32_single_fresh_row():
     _close(got, ref, st0, F32_TOL)
 
 
-@pytest.mark.parametrize("cb_half", [False, True], ids=["cb_fp32", "cb_half"])
-def test_ssd_fp16_knobs_chunk64(cb_half):
+@pytest.mark.parametrize("variant", ["cb_fp32", "cb_half", "fused_m16"])
+def test_ssd_fp16_knobs_chunk64(variant):
+    # cb_half with two heads per launch-C program; launch F in four 16-position blocks per chunk
     rows = [(150, 3, 0, True), (40, 0, 1, False), (64, 100, 2, True)]
+    knobs = {"cb_half": {"cb_half": True, "heads_scan": 2},
+             "fused_m16": {"fused": True, "block_m_fused": 16}}.get(variant, {})
     got, ref, st0 = _run(rows, H=4, P=24, N=32, G=2, chunk_size=64, dtype=torch.float16,
                          seed=8, block_m_scan=32, block_k_scan=16, block_p_scan=16, block_cb=32,
-                         cb_half=cb_half, heads_scan=2 if cb_half else None)
+                         **knobs)
     _close(got, ref, st0, 2e-2)
 
 

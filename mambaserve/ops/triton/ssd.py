@@ -133,10 +133,13 @@ class SsdScan:
         self.heads_scan = k["heads_scan"] or 1
         self.regs_scan = {"maxnreg": k["maxnreg_scan"]} if k["maxnreg_scan"] else {}
         # launch F instead of S, CB and C (contiguous chunks only); its column tiles are launch
-        # C's, its N tile the whole state
+        # C's where they cover P in one program, else one tile of pow2(P); its N tile the whole
+        # state
         self.fused = bool(k["fused"]) and self.contig
         self.warps_fused, self.stages_fused = k["num_warps_fused"], k["num_stages_fused"]
         self.bmf = k["block_m_fused"] or min(L, 32)
+        self.bpf, self.bpf2 = ((self.bpc, self.bpc2) if self.bpc + self.bpc2 >= P
+                               else (_pow2_at_most(P, 1 << 30), 0))
         assert self.heads_scan >= 1 and H % self.heads_scan == 0, (
             f"heads_scan must divide the {H} heads, got {self.heads_scan}")
         for name, v, hi in (("block_p_state", self.bps, None), ("block_n_state", self.bns, None),
@@ -233,8 +236,8 @@ class SsdScan:
             self.H, self.P, self.N, self.H // self.G,
             *x.stride(), *B.stride(), *C.stride(), *y.stride(), cti.stride(0), *ssm.stride(),
             self.row_chunks.stride(0),
-            L=self.L, BLOCK_M=self.bmf, BLOCK_N=_pow2_at_most(self.N, 1 << 30), BLOCK_P=self.bpc,
-            BLOCK_P2=self.bpc2, IP=self.ip, SNAPS=snaps is not None,
+            L=self.L, BLOCK_M=self.bmf, BLOCK_N=_pow2_at_most(self.N, 1 << 30), BLOCK_P=self.bpf,
+            BLOCK_P2=self.bpf2, IP=self.ip, SNAPS=snaps is not None,
             num_warps=self.warps_fused, num_stages=self.stages_fused,
         )
 

@@ -87,7 +87,8 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # program, past the first (the two must reach P); 0: none.
     # fused: launch F (ssd_fused.py) instead of S, CB and C for contiguous chunks, with
     # num_warps_fused warps, num_stages_fused pipeline stages (2: the block loops' loads as
-    # asynchronous copies, offline), launch C's column tiles and blocks of block_m_fused positions
+    # asynchronous copies, offline), launch C's column tiles (where they cover P in one program;
+    # else one tile of pow2(P)) and blocks of block_m_fused positions
     # (None = min(L, 32): no spills at the 9B shapes, offline sm_90 compile).
     # cb_half: C·Bᵀ stored in x's dtype when x is 16-bit (else float32).
     # maxnreg_state / maxnreg_scan: a cap on each thread's registers in launch S / C (None:
