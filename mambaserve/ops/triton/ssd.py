@@ -161,10 +161,10 @@ class SsdScan:
 
         dev = x.device
         self.y = torch.empty((T, H, P), dtype=x.dtype, device=dev)
+        self.empty = num_chunks == 0 or T == 0
         # chunk end states, then one initial state per row (written by S for rows that use one),
         # in x's dtype: launch C uses them only as dot operands of that dtype, so rounding them
         # when they are stored changes no output and halves their bytes for 16-bit x
-        self.empty = num_chunks == 0 or T == 0
         self.states = None if self.fused else torch.empty((num_chunks + R, H, P, N),
                                                           dtype=x.dtype, device=dev)
         if self.empty:

@@ -28,13 +28,6 @@ def _fused_store_state(s_base, S, offs_n, offs_p, mn, mp, s_p, s_n, on):
 
 
 @triton.jit
-def _fused_x(x_base, rows, ml, offs_p, mp, x_t, x_p):
-    """x [positions, columns] of one head (positions past the chunk read 0)."""
-    return tl.load(x_base + rows[:, None] * x_t + offs_p[None, :] * x_p,
-                   mask=ml[:, None] & mp[None, :], other=0.0)
-
-
-@triton.jit
 def _fused_store_y(y_base, y, xm, d, rows, ml, offs_p, mp, y_t, y_p):
     """y + D x for one row block and column tile."""
     y += d * xm.to(tl.float32)
@@ -44,7 +37,8 @@ def _fused_store_y(y_base, y, xm, d, rows, ml, offs_p, mp, y_t, y_p):
 
 @triton.jit
 def _fused_block(base, t_stride, c_stride, rows, ml, offs_c, mc, cdt: tl.constexpr):
-    """A [positions, columns] tile of B or C (one group), in the dot dtype."""
+    """A [positions, columns] tile of B or C (one group) or x (one head), in the dot dtype
+    (positions past the chunk read 0)."""
     return tl.load(base + rows[:, None] * t_stride + offs_c[None, :] * c_stride,
                    mask=ml[:, None] & mc[None, :], other=0.0).to(cdt)
 
@@ -122,16 +116,16 @@ def _chunk_fused_kernel(
                 # sources after the row (the diagonal block's upper part) dropped, any inf too
                 sc = tl.where(offs_s[None, :] <= offs_m[:, None], sc, 0.0)
                 sc = sc.to(cdt)
-                y = tl.dot(sc, _fused_x(x_base, rows_s, ms, offs_p, mp, x_t, x_p).to(cdt),
-                           acc=y, input_precision=IP)
+                xs = _fused_block(x_base, x_t, x_p, rows_s, ms, offs_p, mp, cdt)
+                y = tl.dot(sc, xs, acc=y, input_precision=IP)
                 if BLOCK_P2 > 0:
-                    y2 = tl.dot(sc, _fused_x(x_base, rows_s, ms, offs_p2, mp2, x_t, x_p).to(cdt),
-                                acc=y2, input_precision=IP)
-            _fused_store_y(y_base, y, _fused_x(x_base, rows_m, mm, offs_p, mp, x_t, x_p), d,
-                           rows_m, mm, offs_p, mp, y_t, y_p)
+                    xs2 = _fused_block(x_base, x_t, x_p, rows_s, ms, offs_p2, mp2, cdt)
+                    y2 = tl.dot(sc, xs2, acc=y2, input_precision=IP)
+            xm = _fused_block(x_base, x_t, x_p, rows_m, mm, offs_p, mp, cdt)
+            _fused_store_y(y_base, y, xm, d, rows_m, mm, offs_p, mp, y_t, y_p)
             if BLOCK_P2 > 0:
-                _fused_store_y(y_base, y2, _fused_x(x_base, rows_m, mm, offs_p2, mp2, x_t, x_p),
-                               d, rows_m, mm, offs_p2, mp2, y_t, y_p)
+                xm2 = _fused_block(x_base, x_t, x_p, rows_m, mm, offs_p2, mp2, cdt)
+                _fused_store_y(y_base, y2, xm2, d, rows_m, mm, offs_p2, mp2, y_t, y_p)
         # the state past the chunk: S exp(cum_last) + Σ_s Bᵀ (x ∘ dt ∘ exp(cum_last - cum))
         chunk_decay = tl.exp(cum_last)
         S = S * chunk_decay
@@ -143,10 +137,10 @@ def _chunk_fused_kernel(
             rows_s = tl.minimum(offs_s, clen - 1)
             w = tl.load(dtc_ptr + ch + offs_s) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_s))
             Bt = tl.trans(_fused_block(Bg, B_t, B_n, rows_s, ms, offs_n, mn, cdt))
-            xs = _fused_x(x_base, rows_s, ms, offs_p, mp, x_t, x_p)
+            xs = _fused_block(x_base, x_t, x_p, rows_s, ms, offs_p, mp, cdt)
             S = tl.dot(Bt, (xs.to(tl.float32) * w[:, None]).to(cdt), acc=S, input_precision=IP)
             if BLOCK_P2 > 0:
-                xs2 = _fused_x(x_base, rows_s, ms, offs_p2, mp2, x_t, x_p)
+                xs2 = _fused_block(x_base, x_t, x_p, rows_s, ms, offs_p2, mp2, cdt)
                 S2 = tl.dot(Bt, (xs2.to(tl.float32) * w[:, None]).to(cdt), acc=S2,
                             input_precision=IP)
         if SNAPS:  # a prefix-cache snapshot at this chunk's end

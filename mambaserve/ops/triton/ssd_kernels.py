@@ -337,20 +337,12 @@ def _chunk_scan_kernel(
     if m0 < clen:  # row tiles made only of padding store nothing
         t0 = tl.load(cti_ptr + c * cti_c)
         src = tl.load(src_ptr + c)
-        if HEADS == 1:  # no head loop around the tile (the pipelined source loop stays the
-            h = tl.program_id(1)  # innermost loop of the kernel either way)
+        for j in tl.static_range(HEADS):  # unrolled: one head is the plain tile, no loop
+            h = tl.program_id(1) * HEADS + j
             _scan_tile(x_ptr, C_ptr, D_ptr, cti_ptr, dtc_ptr, cum_ptr, cb_ptr, st_ptr, y_ptr,
                        c, h, h // heads_per_group, t0, clen, src, m0, pb, H, P, N, G,
                        x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
                        L, BLOCK_M, BLOCK_P, BLOCK_P2, BLOCK_K, BLOCK_N, IP, CONTIG, ONE_N_BLOCK)
-        else:
-            for j in tl.static_range(HEADS):
-                h = tl.program_id(1) * HEADS + j
-                _scan_tile(x_ptr, C_ptr, D_ptr, cti_ptr, dtc_ptr, cum_ptr, cb_ptr, st_ptr,
-                           y_ptr, c, h, h // heads_per_group, t0, clen, src, m0, pb, H, P, N, G,
-                           x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
-                           L, BLOCK_M, BLOCK_P, BLOCK_P2, BLOCK_K, BLOCK_N, IP, CONTIG,
-                           ONE_N_BLOCK)
 
 
 @triton.jit
