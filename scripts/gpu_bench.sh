@@ -5,7 +5,7 @@
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
 #         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve
-#         fp8-sweep fp8-rows fp8-state pdl prefetch dense-attn host sampler ssd-variants
+#         fp8-sweep fp8-rows fp8-state pdl prefetch dense-attn host sampler
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -413,29 +413,6 @@ stage_prefetch() {  # the FP8 few-rows linear's weight prefetch before its PDL w
                 --input-len 2048 --output-len 48 --engine \
                 enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true,quantization=fp8 \
                 --out "$W/prefetch_${pf}_$i.json"
-        done
-    done
-}
-stage_ssd-variants() {  # the SSD scan's launch variants (kernels.md, "SSD chunked scan"): their
-    # GPU tests, the scan between the 9B layer's GEMMs with each (launch F at 32-position blocks
-    # with 1 and 2 stages and at 64, launch C over two heads with CB in bf16), then TTFT 1x2048
-    # with the four launches and with launch F, interleaved, through MAMBASERVE_TUNING
-    run ssd-variants-tests 200 $PY -m pytest -q -p no:cacheprovider $XDIST \
-        tests/ops/test_triton_ssd.py -k "gpu and (fused or heads or regs or cb_half)"
-    local i=0 v
-    for v in "" ssd.fused=True ssd.fused=True,ssd.num_stages_fused=2 \
-            ssd.fused=True,ssd.block_m_fused=64 \
-            ssd.heads_scan=2,ssd.num_stages_scan=1,ssd.cb_half=True; do
-        i=$((i + 1))
-        log "ssd variant $i: MAMBASERVE_TUNING=$v"
-        MAMBASERVE_TUNING=$v run "ssd-variant-$i" 90 $PY scripts/ssd_between_gemms.py 1x2048
-    done
-    for i in 1 2; do
-        for v in "" ssd.fused=True; do
-            MAMBASERVE_TUNING=$v run "ssd-ttft-${v:+fused-}$i" 150 $MS bench one-batch \
-                --preset $PRESET --device cuda --dtype bfloat16 --batch-size 1 --input-len 2048 \
-                --output-len 4 --repeats 7 --engine enforce_eager=false,async_scheduling=true \
-                --out "$W/ssd_ttft_${v:+fused_}$i.json"
         done
     done
 }

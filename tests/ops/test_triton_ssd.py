@@ -172,15 +172,6 @@ KNOBS = {
     # launch S loading the next chunk's tiles before this chunk's dot, with and without the split
     "prefetch": {"prefetch_state": True},
     "prefetch_split": {"prefetch_state": True, "block_p_state": 32, "block_p2_state": 16},
-    # launch C walking two / all four heads in one program (two per group, and across groups)
-    "heads2_split": {"heads_scan": 2, "block_p_scan": 32, "block_p2_scan": 16,
-                     "block_m_scan": 16},
-    "heads4_nsplit": {"heads_scan": 4, "block_n_scan": 16, "block_p_scan": 16},
-    # launch F instead of S, CB and C: one column tile, two (head_dim 40 = 32 + 8 -> 32 + 16)
-    "fused": {"fused": True},
-    "fused_split": {"fused": True, "block_p_scan": 32, "block_p2_scan": 16, "block_m_fused": 16},
-    # register caps (compile options: the interpreter takes and ignores them)
-    "maxnreg": {"maxnreg_state": 128, "maxnreg_scan": 128, "block_n_state": 16},
 }
 # chunk 32: short first chunks (prefix ends mid-chunk) shorter than a 16-row tile, a row inside one
 # chunk, rows of several chunks with and without initial state, a negative slot
@@ -221,31 +212,6 @@ def test_ssd_fp16_split_tiles_gathered():
     _close(got, ref, st0, 2e-2)
 
 
-@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "none"])
-def test_ssd_fused_fp32_ragged(snapshots):
-    # launch F on the ragged rows (initial states, short first chunks, a padding row), chunk ids
-    # shuffled (only row_chunks' order counts), with and without snapshots
-    got, ref, st0 = _run(ROWS, H=4, P=16, N=16, G=2, chunk_size=16, dtype=torch.float32,
-                         snapshots=snapshots, permute=True, fused=True)
-    _close(got, ref, st0, F32_TOL)
-
-
-def test_ssd_fused_fp16_strided_dtlimit():
-    # half precision, strided views of one buffer, N not a power of two, a dt clamp
-    got, ref, st0 = _run(ROWS32, H=4, P=40, N=20, G=1, chunk_size=32, dtype=torch.float16,
-                         dt_limit=(0.05, 0.8), strided=True, seed=11, fused=True,
-                         block_m_fused=16)
-    _close(got, ref, st0, 2e-2)
-
-
-def test_ssd_fused_needs_contiguous_chunks():
-    # a plan whose chunks are not consecutive tokens takes the four launches
-    got, ref, st0 = _run(ROWS32, H=4, P=24, N=16, G=2, chunk_size=32, dtype=torch.float32,
-                         strided=True, seed=9, shuffle=True, contiguous_chunks=False,
-                         fused=True, block_m_scan=16, block_k_scan=16, block_l_state=16)
-    _close(got, ref, st0, F32_TOL)
-
-
 def test_ssd_fp32_single_fresh_row():
     # one row from zero (every chunk's start state comes from the previous chunk, or none)
     got, ref, st0 = _run([(100, 0, 0, False)], H=2, P=8, N=8, G=1, chunk_size=16,
@@ -253,15 +219,10 @@ def test_ssd_fp32_single_fresh_row():
     _close(got, ref, st0, F32_TOL)
 
 
-@pytest.mark.parametrize("variant", ["cb_fp32", "cb_half", "fused_m16"])
-def test_ssd_fp16_knobs_chunk64(variant):
-    # cb_half with two heads per launch-C program; launch F in four 16-position blocks per chunk
+def test_ssd_fp16_knobs_chunk64():
     rows = [(150, 3, 0, True), (40, 0, 1, False), (64, 100, 2, True)]
-    knobs = {"cb_half": {"cb_half": True, "heads_scan": 2},
-             "fused_m16": {"fused": True, "block_m_fused": 16}}.get(variant, {})
     got, ref, st0 = _run(rows, H=4, P=24, N=32, G=2, chunk_size=64, dtype=torch.float16,
-                         seed=8, block_m_scan=32, block_k_scan=16, block_p_scan=16, block_cb=32,
-                         **knobs)
+                         seed=8, block_m_scan=32, block_k_scan=16, block_p_scan=16, block_cb=32)
     _close(got, ref, st0, 2e-2)
 
 
@@ -327,14 +288,6 @@ GPU_KNOBS = {
     "state_prefetch_split_w8": {"block_p2_state": 16, "num_warps_state": 8, "prefetch_state": True},
     "one_tile_layouts": {"block_p2_state": 0, "block_n_state": 128, "prefetch_state": False,
                          "block_p2_scan": 0, "block_k_scan": 16},
-    "heads2_s1": {"heads_scan": 2, "num_stages_scan": 1},
-    "heads4_s3": {"heads_scan": 4, "num_stages_scan": 3},
-    "state_n32_regs128": {"block_n_state": 32, "prefetch_state": False, "maxnreg_state": 128},
-    "heads2_s3_regs168": {"heads_scan": 2, "maxnreg_scan": 168},
-    "heads2_s1_cb_half": {"heads_scan": 2, "num_stages_scan": 1, "cb_half": True},
-    "fused_m32": {"fused": True, "block_m_fused": 32},
-    "fused_m64": {"fused": True, "block_m_fused": 64},
-    "fused_s2": {"fused": True, "num_stages_fused": 2},
 }
 
 
@@ -372,7 +325,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-from mambaserve.ops.triton.ssd_fused import _chunk_fused_kernel
 from mambaserve.ops.triton.ssd_kernels import _chunk_scan_kernel, _chunk_state_passing_kernel
 ptrs = {"x_ptr": "*bf16", "B_ptr": "*bf16", "C_ptr": "*bf16", "cti_ptr": "*i64",
         "dtc_ptr": "*fp32", "cum_ptr": "*fp32", "clen_ptr": "*i32", "st_ptr": "*bf16",
@@ -411,13 +363,8 @@ for name, (p2, bn, pf) in {"split": (16, 64, 1), "one_tile": (0, 128, 0)}.items(
         report[f"state_{name}_{snaps}"] = compile_report(_chunk_state_passing_kernel, const, 4, 1)
 # launch C at the 9B default: 64 + 16 columns, 32-token source blocks
 const = {"L": 128, "BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_P2": 16, "BLOCK_K": 32, "BLOCK_N": 128,
-         "IP": "tf32", "CONTIG": 1, "ONE_N_BLOCK": 1, "HEADS": 1, "x_p": 1, "C_n": 1, "y_p": 1}
+         "IP": "tf32", "CONTIG": 1, "ONE_N_BLOCK": 1, "x_p": 1, "C_n": 1, "y_p": 1}
 report["scan_split"] = compile_report(_chunk_scan_kernel, const, 4, 3)
-# launch F at its defaults for the 9B: 32-position blocks, 64 + 16 columns, 8 warps
-for snaps in (0, 1):
-    const = {"L": 128, "BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_P": 64, "BLOCK_P2": 16, "IP": "tf32",
-             "SNAPS": snaps, "x_p": 1, "B_n": 1, "C_n": 1, "y_p": 1, "s_n": 1}
-    report[f"fused_{snaps}"] = compile_report(_chunk_fused_kernel, const, 8, 1)
 print(json.dumps(report))
 '''
 
@@ -429,8 +376,7 @@ def test_ssd_launches_compile_for_sm90():
     of spill stores and 56 of loads per thread for the snapshot stores' registers; timed 3-12 %
     faster than the one-tile layout with snapshots all the same, docs/kernels.md run 19), rounds
     the chunk states to bf16 and adds the snapshot stores; the one-tile layout spills nothing;
-    launch C's two column tiles spill nothing and use wgmma; launch F (32-position blocks on 8
-    warps) spills nothing, with or without snapshots."""
+    launch C's two column tiles spill nothing and use wgmma."""
     from offline_ptx import compile_report
 
     r = compile_report(STATE_SM90_SCRIPT, "the SSD launches")
@@ -440,6 +386,3 @@ def test_ssd_launches_compile_for_sm90():
     assert r["state_split_0"]["to_bf16"] > 0, r
     assert r["state_split_1"]["stores"] > r["state_split_0"]["stores"], r
     assert r["scan_split"]["spill_bytes"] == 0 and r["scan_split"]["wgmma"] > 0, r
-    # launch F: no spills with or without the snapshot stores, y rounded to bf16 once
-    assert r["fused_0"]["spill_bytes"] == r["fused_1"]["spill_bytes"] == 0, r
-    assert r["fused_1"]["stores"] > r["fused_0"]["stores"] and r["fused_0"]["to_bf16"] > 0, r

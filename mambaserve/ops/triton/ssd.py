@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton.ssd_fused import _chunk_fused_kernel
 from mambaserve.ops.triton.ssd_kernels import (
     _chunk_cb_kernel,
     _chunk_dt_kernel,
@@ -113,11 +112,8 @@ class SsdScan:
                                           else _pow2_at_most(N, 128))
         self.bls = k["block_l_state"] or L
         self.warps_state, self.stages_state = k["num_warps_state"], k["num_stages_state"]
-        # a register cap per thread (ptxas spills past it): more programs per SM
-        self.regs_state = {"maxnreg": k["maxnreg_state"]} if k["maxnreg_state"] else {}
         prefetch = self.bps2 > 0 and half if k["prefetch_state"] is None else k["prefetch_state"]
         self.prefetch_state = bool(prefetch) and self.contig and self.bls == L
-        self.cb_half = bool(k["cb_half"]) and half
         self.bcb = k["block_cb"] or min(L, 64)
         self.bkcb = k["block_k_cb"] or _pow2_at_most(N, 128)
         self.warps_cb = k["num_warps_cb"]
@@ -130,23 +126,11 @@ class SsdScan:
         self.bk = k["block_k_scan"] or (min(32, L) if self.bpc2 else 16)  # split: 32 (run 19)
         self.bnc = k["block_n_scan"] or _pow2_at_most(N, 128)
         self.warps_scan, self.stages_scan = k["num_warps_scan"], k["num_stages_scan"]
-        self.heads_scan = k["heads_scan"] or 1
-        self.regs_scan = {"maxnreg": k["maxnreg_scan"]} if k["maxnreg_scan"] else {}
-        # launch F instead of S, CB and C (contiguous chunks only); its column tiles are launch
-        # C's where they cover P in one program, else one tile of pow2(P); its N tile the whole
-        # state
-        self.fused = bool(k["fused"]) and self.contig
-        self.warps_fused, self.stages_fused = k["num_warps_fused"], k["num_stages_fused"]
-        self.bmf = k["block_m_fused"] or min(L, 32)
-        self.bpf, self.bpf2 = ((self.bpc, self.bpc2) if self.bpc + self.bpc2 >= P
-                               else (_pow2_at_most(P, 1 << 30), 0))
-        assert self.heads_scan >= 1 and H % self.heads_scan == 0, (
-            f"heads_scan must divide the {H} heads, got {self.heads_scan}")
         for name, v, hi in (("block_p_state", self.bps, None), ("block_n_state", self.bns, None),
                             ("block_l_state", self.bls, L), ("block_cb", self.bcb, L),
                             ("block_k_cb", self.bkcb, None), ("block_m_scan", self.bm, L),
                             ("block_p_scan", self.bpc, None), ("block_k_scan", self.bk, L),
-                            ("block_n_scan", self.bnc, None), ("block_m_fused", self.bmf, L)):
+                            ("block_n_scan", self.bnc, None)):
             _check_block(name, v, hi)
         for name, first, second in (("state", self.bps, self.bps2),
                                     ("scan", self.bpc, self.bpc2)):
@@ -161,33 +145,25 @@ class SsdScan:
 
         dev = x.device
         self.y = torch.empty((T, H, P), dtype=x.dtype, device=dev)
-        self.empty = num_chunks == 0 or T == 0
         # chunk end states, then one initial state per row (written by S for rows that use one),
         # in x's dtype: launch C uses them only as dot operands of that dtype, so rounding them
         # when they are stored changes no output and halves their bytes for 16-bit x
-        self.states = None if self.fused else torch.empty((num_chunks + R, H, P, N),
-                                                          dtype=x.dtype, device=dev)
+        self.states = torch.empty((num_chunks + R, H, P, N), dtype=x.dtype, device=dev)
+        self.empty = num_chunks == 0 or T == 0
         if self.empty:
             return
         f32 = {"dtype": torch.float32, "device": dev}
         self.dt_c = torch.empty((num_chunks, H, L), **f32)
         self.cum = torch.empty((num_chunks, H, L), **f32)
         self.clen = torch.empty((num_chunks,), dtype=torch.int32, device=dev)
-        if self.fused:
-            return
         self.chunk_src = torch.empty((num_chunks,), dtype=torch.int64, device=dev)
-        # C·Bᵀ in float32, or with cb_half in x's 16-bit dtype (half the bytes launch C reads;
-        # transformers' own bf16 path holds it in bf16 too)
-        cb_dt = x.dtype if self.cb_half else torch.float32
-        self.cb = torch.empty((num_chunks, G, L, L), dtype=cb_dt, device=dev)
+        self.cb = torch.empty((num_chunks, G, L, L), **f32)
 
     @property
     def launches(self) -> tuple[tuple[str, object], ...]:
         """(name, launch) pairs in the order they must run; none for an empty batch."""
         if self.empty:
             return ()
-        if self.fused:
-            return (("dt", self.launch_dt), ("fused", self.launch_fused))
         return (("dt", self.launch_dt), ("state", self.launch_state), ("cb", self.launch_cb),
                 ("scan", self.launch_scan))
 
@@ -221,24 +197,7 @@ class SsdScan:
             IP=self.ip,
             CONTIG=self.contig, SNAPS=self.chunk_snap_dst is not None,
             PREFETCH=self.prefetch_state,
-            num_warps=self.warps_state, num_stages=self.stages_state, **self.regs_state,
-        )
-
-    def launch_fused(self) -> None:
-        """F: per head and row, the chunk walk with the outputs, the snapshots and the row's
-        final state (instead of S, CB and C)."""
-        x, B, C, y, cti, ssm = self.x, self.B, self.C, self.y, self.chunk_token_idx, self.ssm_state
-        snaps = self.chunk_snap_dst
-        _chunk_fused_kernel[(self.H, self.R)](
-            x, B, C, self.D, cti, self.dt_c, self.cum, self.clen, y,
-            ssm, self.state_slots, self.has_initial_state, self.row_chunks, self.row_num_chunks,
-            snaps if snaps is not None else self.row_num_chunks,
-            self.H, self.P, self.N, self.H // self.G,
-            *x.stride(), *B.stride(), *C.stride(), *y.stride(), cti.stride(0), *ssm.stride(),
-            self.row_chunks.stride(0),
-            L=self.L, BLOCK_M=self.bmf, BLOCK_N=_pow2_at_most(self.N, 1 << 30), BLOCK_P=self.bpf,
-            BLOCK_P2=self.bpf2, IP=self.ip, SNAPS=snaps is not None,
-            num_warps=self.warps_fused, num_stages=self.stages_fused,
+            num_warps=self.warps_state, num_stages=self.stages_state,
         )
 
     def launch_cb(self) -> None:
@@ -256,8 +215,7 @@ class SsdScan:
         """C: the output tiles, y = inter-chunk + intra-chunk terms + D x."""
         x, C, y, cti = self.x, self.C, self.y, self.chunk_token_idx
         num_pb = 1 if self.bpc2 else triton.cdiv(self.P, self.bpc)
-        _chunk_scan_kernel[(triton.cdiv(self.L, self.bm) * num_pb, self.H // self.heads_scan,
-                            self.num_chunks)](
+        _chunk_scan_kernel[(triton.cdiv(self.L, self.bm) * num_pb, self.H, self.num_chunks)](
             x, C, self.D, cti, self.dt_c, self.cum, self.clen, self.cb, self.states,
             self.chunk_src, y,
             self.H, self.P, self.N, self.G, self.H // self.G,
@@ -265,8 +223,7 @@ class SsdScan:
             L=self.L, BLOCK_M=self.bm, BLOCK_P=self.bpc, BLOCK_P2=self.bpc2, BLOCK_K=self.bk,
             BLOCK_N=self.bnc,
             IP=self.ip, CONTIG=self.contig, ONE_N_BLOCK=self.bnc >= self.N,
-            HEADS=self.heads_scan, num_warps=self.warps_scan, num_stages=self.stages_scan,
-            **self.regs_scan,
+            num_warps=self.warps_scan, num_stages=self.stages_scan,
         )
 
 

@@ -287,8 +287,7 @@ def _chunk_cb_kernel(
             Bt = tl.load(Bb + rows_s[None, :] * B_t + offs_k[:, None] * B_n,
                          mask=mk[:, None] & ms[None, :], other=0.0)  # [BLOCK_K, BLOCK]
             acc = tl.dot(Cm.to(CDT), Bt.to(CDT), acc=acc, input_precision=IP)
-        tl.store(cb_ptr + ((c * G + g) * L + offs_m[:, None]) * L + offs_s[None, :],
-                 acc.to(cb_ptr.dtype.element_ty))
+        tl.store(cb_ptr + ((c * G + g) * L + offs_m[:, None]) * L + offs_s[None, :], acc)
 
 
 @triton.jit
@@ -317,11 +316,9 @@ def _chunk_scan_kernel(
     x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
     L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_P2: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr,
-    ONE_N_BLOCK: tl.constexpr, HEADS: tl.constexpr,
+    ONE_N_BLOCK: tl.constexpr,
 ):
-    """Launch C (docs/kernels.md): one [BLOCK_M, BLOCK_P] output tile of one chunk for each of
-    HEADS consecutive heads, one after the other (heads of one group read the same C and CB
-    tiles: the second head's loads of them hit the SM's L1 instead of L2).
+    """Launch C (docs/kernels.md): one [BLOCK_M, BLOCK_P] output tile of one head and chunk.
     BLOCK_P2 > 0: a head_dim that is not a power of two (the 9B's 80 = 64 + 16) in one program
     of two column tiles, [0, BLOCK_P) and [BLOCK_P, BLOCK_P + BLOCK_P2), that share the C loads
     and each source block's scores, instead of one tile padded to the next power of two."""
@@ -331,100 +328,84 @@ def _chunk_scan_kernel(
         num_pb = tl.cdiv(P, BLOCK_P)
     mb = tl.program_id(0) // num_pb  # the P blocks of one row tile run next to each other
     pb = tl.program_id(0) % num_pb
+    h = tl.program_id(1)
     c = tl.program_id(2).to(tl.int64)
+    g = h // heads_per_group
+    cdt = x_ptr.dtype.element_ty
     clen = tl.load(clen_ptr + c)
     m0 = mb * BLOCK_M
     if m0 < clen:  # row tiles made only of padding store nothing
+        ch = (c * H + h) * L
         t0 = tl.load(cti_ptr + c * cti_c)
+        xb = x_ptr + t0 * x_t + h * x_h
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        mm = offs_m < clen
+        mp = offs_p < P
+        rows_m = _chunk_rows(cti_ptr, c, cti_c, offs_m, t0, CONTIG)
+        cum_m = tl.load(cum_ptr + ch + offs_m)
+        acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        if BLOCK_P2 > 0:
+            offs_p2 = BLOCK_P + tl.arange(0, BLOCK_P2)
+            mp2 = offs_p2 < P
+            acc2 = tl.zeros((BLOCK_M, BLOCK_P2), dtype=tl.float32)
+
+        # inter-chunk: exp(cum[l]) * C[l] . S_start[p]; S_start is the previous chunk's end state,
+        # the row's initial state (both in st_ptr), or zero (src < 0: skipped)
         src = tl.load(src_ptr + c)
-        for j in tl.static_range(HEADS):  # unrolled: one head is the plain tile, no loop
-            h = tl.program_id(1) * HEADS + j
-            _scan_tile(x_ptr, C_ptr, D_ptr, cti_ptr, dtc_ptr, cum_ptr, cb_ptr, st_ptr, y_ptr,
-                       c, h, h // heads_per_group, t0, clen, src, m0, pb, H, P, N, G,
-                       x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
-                       L, BLOCK_M, BLOCK_P, BLOCK_P2, BLOCK_K, BLOCK_N, IP, CONTIG, ONE_N_BLOCK)
-
-
-@triton.jit
-def _scan_tile(
-    x_ptr, C_ptr, D_ptr, cti_ptr, dtc_ptr, cum_ptr, cb_ptr, st_ptr, y_ptr,
-    c, h, g, t0, clen, src, m0, pb, H, P, N, G,
-    x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
-    L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_P2: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr,
-    ONE_N_BLOCK: tl.constexpr,
-):
-    """One head's output tile of launch C: rows [m0, m0 + BLOCK_M) of chunk c (starting at
-    token t0, clen tokens long, its start state in the state buffer's entry src, none if < 0)."""
-    cdt = x_ptr.dtype.element_ty
-    ch = (c * H + h) * L
-    xb = x_ptr + t0 * x_t + h * x_h
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    mm = offs_m < clen
-    mp = offs_p < P
-    rows_m = _chunk_rows(cti_ptr, c, cti_c, offs_m, t0, CONTIG)
-    cum_m = tl.load(cum_ptr + ch + offs_m)
-    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    if BLOCK_P2 > 0:
-        offs_p2 = BLOCK_P + tl.arange(0, BLOCK_P2)
-        mp2 = offs_p2 < P
-        acc2 = tl.zeros((BLOCK_M, BLOCK_P2), dtype=tl.float32)
-
-    # inter-chunk: exp(cum[l]) * C[l] . S_start[p]; S_start is the previous chunk's end state,
-    # the row's initial state (both in st_ptr), or zero (src < 0: skipped)
-    if src >= 0:
-        s_base = st_ptr + (src * H + h) * P * N
-        Cb = C_ptr + t0 * C_t + g * C_g
-        if ONE_N_BLOCK:  # one dot, no loop (a constexpr: a loop in a branch the launch
-            offs_k = tl.arange(0, BLOCK_N)  # never takes still gets pipelined buffers)
-            mk = offs_k < N
-            Cm = tl.load(Cb + rows_m[:, None] * C_t + offs_k[None, :] * C_n,
-                         mask=mm[:, None] & mk[None, :], other=0.0)
-            acc = _scan_state_term(acc, Cm, s_base, offs_p, mp, offs_k, mk, N, cdt, IP)
-            if BLOCK_P2 > 0:
-                acc2 = _scan_state_term(acc2, Cm, s_base, offs_p2, mp2, offs_k, mk, N, cdt, IP)
-        else:
-            for k0 in range(0, N, BLOCK_N):
-                offs_k = k0 + tl.arange(0, BLOCK_N)
+        if src >= 0:
+            s_base = st_ptr + (src * H + h) * P * N
+            Cb = C_ptr + t0 * C_t + g * C_g
+            if ONE_N_BLOCK:  # one dot, no loop (a constexpr: a loop in a branch the launch
+                offs_k = tl.arange(0, BLOCK_N)  # never takes still gets pipelined buffers)
                 mk = offs_k < N
                 Cm = tl.load(Cb + rows_m[:, None] * C_t + offs_k[None, :] * C_n,
                              mask=mm[:, None] & mk[None, :], other=0.0)
                 acc = _scan_state_term(acc, Cm, s_base, offs_p, mp, offs_k, mk, N, cdt, IP)
                 if BLOCK_P2 > 0:
-                    acc2 = _scan_state_term(acc2, Cm, s_base, offs_p2, mp2, offs_k, mk, N,
-                                            cdt, IP)
-        acc = acc * tl.exp(cum_m)[:, None]
-        if BLOCK_P2 > 0:
-            acc2 = acc2 * tl.exp(cum_m)[:, None]
+                    acc2 = _scan_state_term(acc2, Cm, s_base, offs_p2, mp2, offs_k, mk, N, cdt,
+                                            IP)
+            else:
+                for k0 in range(0, N, BLOCK_N):
+                    offs_k = k0 + tl.arange(0, BLOCK_N)
+                    mk = offs_k < N
+                    Cm = tl.load(Cb + rows_m[:, None] * C_t + offs_k[None, :] * C_n,
+                                 mask=mm[:, None] & mk[None, :], other=0.0)
+                    acc = _scan_state_term(acc, Cm, s_base, offs_p, mp, offs_k, mk, N, cdt, IP)
+                    if BLOCK_P2 > 0:
+                        acc2 = _scan_state_term(acc2, Cm, s_base, offs_p2, mp2, offs_k, mk, N,
+                                                cdt, IP)
+            acc = acc * tl.exp(cum_m)[:, None]
+            if BLOCK_P2 > 0:
+                acc2 = acc2 * tl.exp(cum_m)[:, None]
 
-    # intra-chunk: (CB ∘ exp(cum[l] - cum[s]) [s <= l] ∘ dt[s]) . x over source blocks up to
-    # the tile's last row, in one loop with unmasked CB loads: CB entries the CB launch never
-    # wrote (above the diagonal tiles, rows of padding) are uninitialized, and the select
-    # after the product drops them (and any inf of exp above the diagonal) for s > l; padding
-    # rows are never stored, and sources past the chunk's length have dt = 0 and masked x.
-    # (A variant with the blocks wholly below the tile in a second, unmasked loop was slower.)
-    cb_base = cb_ptr + (c * G + g) * L * L
-    hi = tl.minimum(m0 + BLOCK_M, clen)
-    for s0 in range(0, hi, BLOCK_K):
-        offs_s = s0 + tl.arange(0, BLOCK_K)
-        cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :]).to(tl.float32)
-        cum_s = tl.load(cum_ptr + ch + offs_s)
-        dt_s = tl.load(dtc_ptr + ch + offs_s)
-        scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
-        scores = tl.where(offs_s[None, :] <= offs_m[:, None], scores, 0.0).to(cdt)
-        rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
-        ms = offs_s < clen
-        xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
-                     mask=ms[:, None] & mp[None, :], other=0.0)
-        acc = tl.dot(scores, xs.to(cdt), acc=acc, input_precision=IP)
-        if BLOCK_P2 > 0:
-            xs2 = tl.load(xb + rows_s[:, None] * x_t + offs_p2[None, :] * x_p,
-                          mask=ms[:, None] & mp2[None, :], other=0.0)
-            acc2 = tl.dot(scores, xs2.to(cdt), acc=acc2, input_precision=IP)
+        # intra-chunk: (CB ∘ exp(cum[l] - cum[s]) [s <= l] ∘ dt[s]) . x over source blocks up to
+        # the tile's last row, in one loop with unmasked CB loads: CB entries the CB launch never
+        # wrote (above the diagonal tiles, rows of padding) are uninitialized, and the select
+        # after the product drops them (and any inf of exp above the diagonal) for s > l; padding
+        # rows are never stored, and sources past the chunk's length have dt = 0 and masked x.
+        # (A variant with the blocks wholly below the tile in a second, unmasked loop was slower.)
+        cb_base = cb_ptr + (c * G + g) * L * L
+        hi = tl.minimum(m0 + BLOCK_M, clen)
+        for s0 in range(0, hi, BLOCK_K):
+            offs_s = s0 + tl.arange(0, BLOCK_K)
+            cb = tl.load(cb_base + offs_m[:, None] * L + offs_s[None, :])
+            cum_s = tl.load(cum_ptr + ch + offs_s)
+            dt_s = tl.load(dtc_ptr + ch + offs_s)
+            scores = cb * tl.exp(cum_m[:, None] - cum_s[None, :]) * dt_s[None, :]
+            scores = tl.where(offs_s[None, :] <= offs_m[:, None], scores, 0.0).to(cdt)
+            rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
+            ms = offs_s < clen
+            xs = tl.load(xb + rows_s[:, None] * x_t + offs_p[None, :] * x_p,
+                         mask=ms[:, None] & mp[None, :], other=0.0)
+            acc = tl.dot(scores, xs.to(cdt), acc=acc, input_precision=IP)
+            if BLOCK_P2 > 0:
+                xs2 = tl.load(xb + rows_s[:, None] * x_t + offs_p2[None, :] * x_p,
+                              mask=ms[:, None] & mp2[None, :], other=0.0)
+                acc2 = tl.dot(scores, xs2.to(cdt), acc=acc2, input_precision=IP)
 
-    d = tl.load(D_ptr + h).to(tl.float32)
-    yb = y_ptr + t0 * y_t + h * y_h
-    _scan_store(acc, xb, yb, rows_m, mm, offs_p, mp, d, x_t, x_p, y_t, y_p)
-    if BLOCK_P2 > 0:
-        _scan_store(acc2, xb, yb, rows_m, mm, offs_p2, mp2, d, x_t, x_p, y_t, y_p)
+        d = tl.load(D_ptr + h).to(tl.float32)
+        yb = y_ptr + t0 * y_t + h * y_h
+        _scan_store(acc, xb, yb, rows_m, mm, offs_p, mp, d, x_t, x_p, y_t, y_p)
+        if BLOCK_P2 > 0:
+            _scan_store(acc2, xb, yb, rows_m, mm, offs_p2, mp2, d, x_t, x_p, y_t, y_p)

@@ -85,26 +85,14 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # block_k_scan None = min(32, L) with two tiles, else 16.
     # block_p2_state / block_p2_scan > 0: a second tile of that many rows / columns in the same
     # program, past the first (the two must reach P); 0: none.
-    # fused: launch F (ssd_fused.py) instead of S, CB and C for contiguous chunks, with
-    # num_warps_fused warps, num_stages_fused pipeline stages (2: the block loops' loads as
-    # asynchronous copies, offline), launch C's column tiles (where they cover P in one program;
-    # else one tile of pow2(P)) and blocks of block_m_fused positions
-    # (None = min(L, 32): no spills at the 9B shapes, offline sm_90 compile).
-    # cb_half: C·Bᵀ stored in x's dtype when x is 16-bit (else float32).
-    # maxnreg_state / maxnreg_scan: a cap on each thread's registers in launch S / C (None:
-    # the compiler's choice, up to 255); lower caps fit more programs per SM and spill.
-    # heads_scan: consecutive heads whose tiles one launch-C program computes in turn (they share
-    # their group's C and CB tiles through the SM's L1); None = 1; must divide the heads.
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
         "block_p_state": 64, "block_p2_state": None, "block_n_state": None, "block_l_state": None,
         "num_warps_state": 4, "num_stages_state": 1, "prefetch_state": None,
-        "maxnreg_state": None,
-        "block_cb": None, "block_k_cb": None, "num_warps_cb": 4, "cb_half": False,
+        "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
         "block_m_scan": None, "block_p_scan": None, "block_p2_scan": None, "block_k_scan": None,
         "block_n_scan": None,
-        "num_warps_scan": 4, "num_stages_scan": 3, "heads_scan": None, "maxnreg_scan": None,
-        "fused": False, "num_warps_fused": 8, "num_stages_fused": 1, "block_m_fused": None,
+        "num_warps_scan": 4, "num_stages_scan": 3,
     }),
     # per-token paged attention (decode tokens): None = block_n max(16, min(64, 4096 // BLOCK_D));
     # num_warps 4 when BLOCK_D * BLOCK_N >= 4096, else 2; num_splits from the split-KV heuristic
