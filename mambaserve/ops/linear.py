@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from mambaserve.ops.activation import relu2, silu_mul
 from mambaserve.ops.dispatch import kernel_path
+from mambaserve.ops.gemm_waves import column_split
 from mambaserve.ops.triton import tuning
 
 
@@ -74,7 +75,13 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     if kernel_path("gemv", x.device, x=x, weight=weight) == "triton":
         return linear(x, weight, None, add=residual)
     r2 = residual.contiguous().view(-1, N)  # a view: addmm_ writes the caller's tensor
-    return r2.addmm_(_rows(x), weight.t()).view(residual.shape)
+    x2 = _rows(x)
+    n1 = column_split(x2.shape[0], N, x.device)
+    if n1:  # two GEMMs into the column halves of r2 (ops/gemm_waves.py)
+        r2[:, :n1].addmm_(x2, weight[:n1].t())
+        r2[:, n1:].addmm_(x2, weight[n1:].t())
+        return r2.view(residual.shape)
+    return r2.addmm_(x2, weight.t()).view(residual.shape)
 
 
 def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
