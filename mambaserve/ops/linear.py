@@ -16,7 +16,9 @@ A residual stream's add in the projection's epilogue, for every row count:
         epilogue add into a new tensor (`linear(..., add=)`). The roundings are the library's:
         the CPU rounds the float32 sum once, cuBLAS's bfloat16 epilogue stays within the bound
         of the two torch ops (tests/ops/test_linear_residual.py). Callers use the returned
-        tensor and drop `residual`, which may have been overwritten.
+        tensor and drop `residual`, which may have been overwritten. Where the GEMM's last wave
+        of output tiles would be mostly idle (`ops/gemm_waves.py`), two `addmm_` into the
+        residual's column halves.
 
 Three more forms for the same few rows (elsewhere the public ops they stand for):
 
