@@ -3,7 +3,8 @@
 A GEMM of M x N outputs runs as tiles of about tile_m x tile_n, `sms` at a time (one wave). When
 the tiles number a few full waves and a small tail, the tail's wave keeps most SMs idle for a
 whole tile's time: the 9B's closing projections at 2,048 rows (N = 4,480: 16 x 35 tiles of 128 on
-132 SMs, four waves and 32 tiles) lose ~15 % that way. Splitting the output's columns into two
+132 SMs, four waves and 32 tiles) would lose ~15 % that way, about the gap measured against the
+wide projections (docs/benchmarks.md run 22). Splitting the output's columns into two
 GEMMs, the first exactly the full waves and the second the rest, lets cuBLAS pick its kernel for
 the narrow rest (a split-K one for few tiles and a long K) instead of a nearly empty wave.
 
@@ -11,8 +12,8 @@ the narrow rest (a split-K one for few tiles and a long K) instead of a nearly e
     split_columns(M, N, sms, split_tail, tile_m, tile_n): the rule itself
 
 A host computation on shapes (no sync); the rule's knobs are the tuning entry "gemm_waves"
-(`split_tail` 0 turns it off), docs/kernels.md ("Closing projections in two GEMMs") has the
-measurements.
+(`split_tail` 0 turns it off, the default until it is timed); docs/kernels.md ("Closing
+projections in two GEMMs") has the reasoning and how to time it.
 """
 
 from __future__ import annotations
