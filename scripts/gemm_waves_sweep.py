@@ -18,27 +18,16 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mambaserve.bench.graph_timing import graph_time_us
 from mambaserve.ops.gemm_waves import split_columns
 
 HIDDEN = 4480
 K_OF = {"out_proj": 10240, "down": 15680, "o_proj": 5120}
 
 
-def _time_us(fn, reps: int = 20) -> float:
-    """Median over 5 batches of `reps` calls, µs per call."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps * 1000)
-    return sorted(times)[2]
+def _time_us(fn) -> float:
+    """µs per call, replayed from a CUDA graph as the engine's prefill graphs run it."""
+    return graph_time_us(fn, calls_per_graph=4, iters=5)
 
 
 def _kernels(fn) -> list[str]:
