@@ -5,7 +5,7 @@
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
 #         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve
-#         fp8-sweep fp8-rows fp8-state pdl prefetch dense-attn host sampler gemm-waves
+#         fp8-sweep fp8-rows fp8-state pdl prefetch dense-attn host sampler
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
 # $OUT/results.tgz (the device tool returns at most 8 files). Each stage has its own time limit
@@ -413,23 +413,6 @@ stage_prefetch() {  # the FP8 few-rows linear's weight prefetch before its PDL w
                 --input-len 2048 --output-len 48 --engine \
                 enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true,quantization=fp8 \
                 --out "$W/prefetch_${pf}_$i.json"
-        done
-    done
-}
-stage_gemm-waves() {  # the closing projections in two GEMMs (ops/gemm_waves.py): its GPU tests,
-    # the split points at 1024 / 2048 / 4096 rows, then TTFT 1x2048 and 1x1024 with the split
-    # off and on (tiles of 128 and 256 columns), interleaved, through MAMBASERVE_TUNING
-    run gemm-waves-tests 100 $PY -m pytest -q -p no:cacheprovider tests/ops/test_gemm_waves.py \
-        tests/ops/test_linear_residual.py
-    run gemm-waves-sweep 150 $PY scripts/gemm_waves_sweep.py 1024,2048,4096
-    local i v
-    for i in 1 2; do
-        for v in gemm_waves.split_tail=0 gemm_waves.split_tail=0.34 \
-                gemm_waves.split_tail=0.34,gemm_waves.tile_n=256; do
-            MAMBASERVE_TUNING=$v run "gemm-waves-$i-${v//[.=,]/_}" 150 $MS bench one-batch --preset $PRESET \
-                --device cuda --dtype bfloat16 --batch-size 1 --input-len 1024,2048 \
-                --output-len 4 --repeats 7 --engine enforce_eager=false,async_scheduling=true \
-                --out "$W/gemm_waves_${i}_${v//[.=,]/_}.json"
         done
     done
 }

@@ -16,9 +16,7 @@ A residual stream's add in the projection's epilogue, for every row count:
         epilogue add into a new tensor (`linear(..., add=)`). The roundings are the library's:
         the CPU rounds the float32 sum once, cuBLAS's bfloat16 epilogue stays within the bound
         of the two torch ops (tests/ops/test_linear_residual.py). Callers use the returned
-        tensor and drop `residual`, which may have been overwritten. Where the GEMM's last wave
-        of output tiles would be mostly idle (`ops/gemm_waves.py`), two `addmm_` into the
-        residual's column halves.
+        tensor and drop `residual`, which may have been overwritten.
 
 Three more forms for the same few rows (elsewhere the public ops they stand for):
 
@@ -41,7 +39,6 @@ import torch.nn.functional as F
 
 from mambaserve.ops.activation import relu2, silu_mul
 from mambaserve.ops.dispatch import kernel_path
-from mambaserve.ops.gemm_waves import column_split
 from mambaserve.ops.triton import tuning
 
 
@@ -77,13 +74,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     if kernel_path("gemv", x.device, x=x, weight=weight) == "triton":
         return linear(x, weight, None, add=residual)
     r2 = residual.contiguous().view(-1, N)  # a view: addmm_ writes the caller's tensor
-    x2 = _rows(x)
-    n1 = column_split(x2.shape[0], N, x.device)
-    if n1:  # two GEMMs into the column halves of r2 (ops/gemm_waves.py)
-        r2[:, :n1].addmm_(x2, weight[:n1].t())
-        r2[:, n1:].addmm_(x2, weight[n1:].t())
-        return r2.view(residual.shape)
-    return r2.addmm_(x2, weight.t()).view(residual.shape)
+    return r2.addmm_(_rows(x), weight.t()).view(residual.shape)
 
 
 def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,6 @@ import torch
 
 # Tuned on an H200 and an H100 (sm_90). Knobs set to None follow the launcher's shape rule.
 SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
-    # cuBLAS closing projections (ops/gemm_waves.py): split a GEMM's columns in two where its
-    # tiles of tile_m x tile_n leave a last wave of at most split_tail of the SMs (0: never)
-    "gemm_waves": MappingProxyType({"split_tail": 0.0, "tile_m": 128, "tile_n": 128}),
     # relu2: BLOCK elements per program
     "relu2": MappingProxyType({"block": 4096, "num_warps": 8}),
     # silu(gate) * up: BLOCK channels of one row per program (capped at pow2(I)); not swept
