@@ -139,7 +139,8 @@ class PrefillGraphRunner:
         self.capture_enabled = capture and self.device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._loaded: tuple[tuple, int] | None = None  # (bucket key, real logit rows)
-        self.templates = SoloTemplates(self.page_size)  # fresh lone prompts' packed steps
+        # lone prompts' packed steps (fresh prompts and follow-up suffixes)
+        self.templates = SoloTemplates(self.page_size, self.scratch_page, self.chunk_size)
 
     # ---- routing ----------------------------------------------------------------------------
     def bucket_of(self, batch: Batch) -> tuple | None:
@@ -182,9 +183,10 @@ class PrefillGraphRunner:
         return self.load_planned(*self.plan(batch))
 
     def plan(self, batch: Batch) -> tuple[tuple, HostMetadata]:
-        """The host side of `load`: the step's bucket and its eager metadata, or for a fresh lone
-        prompt a template's stub carrying the packed bytes (engine/prefill_template.py); under
-        tensor parallelism rank 0 plans once and every rank loads it with `load_planned`."""
+        """The host side of `load`: the step's bucket and its eager metadata, or for a lone prompt
+        (fresh, or a follow-up turn's suffix) a template's stub carrying the packed bytes
+        (engine/prefill_template.py); under tensor parallelism rank 0 plans once and every rank
+        loads it with `load_planned`."""
         key = self.bucket_of(batch)
         b, ps, sp = self.buckets[key], self.page_size, self.scratch_page
 

@@ -1,7 +1,8 @@
-"""Fresh lone prompts' packed prefill-graph steps from templates (engine/prefill_template.py):
-the bytes a template gives a prompt are the bytes the full plan and packing give it, over random
-prompts, pages, slots, lengths (chunked first chunks too) and prefix-cache snapshots; other
-steps are planned in full."""
+"""Lone prompts' packed prefill-graph steps from templates (engine/prefill_template.py): the
+bytes a template gives a prompt are the bytes the full plan and packing give it, over random
+fresh prompts and follow-up suffixes (starts, restores, pages, slots, lengths, chunked first
+chunks, prefix-cache snapshots); steps of several rows or with decode rows are planned in
+full."""
 
 from __future__ import annotations
 
@@ -30,16 +31,20 @@ def graphs(tiny_ckpt):
 
 
 def _prompt(rng: random.Random, n: int, samples: bool, extra_pages: int,
-            chunk: int = 0) -> Row:
-    """A fresh prompt's first row of n tokens; `chunk` > 0: prefix-cache snapshots at a random
-    choice of the row's chunk ends (multiples of `chunk`, and its last token), random slots."""
+            chunk: int = 0, start: int = 0, restore: bool = False) -> Row:
+    """A prompt's row of n tokens after `start` cached ones (0: a fresh prompt's first row; else
+    a follow-up suffix continuing its state, restored from a random snapshot slot when
+    `restore`); `chunk` > 0: prefix-cache snapshots at a random choice of the row's chunk ends
+    (absolute multiples of `chunk` inside the row, and its last token), random slots."""
     ids = [rng.randrange(3, 300) for _ in range(n)]
-    pages = rng.sample(range(24), -(-n // PS) + extra_pages)
-    ends = sorted({*range(chunk, n + 1, chunk or n + 1), n}) if chunk else []
+    pages = rng.sample(range(24), -(-(start + n) // PS) + extra_pages)
+    end = start + n
+    ends = sorted({*range((start // chunk + 1) * chunk, end + 1, chunk), end}) if chunk else []
     snaps = [(p, rng.randrange(8, 40)) for p in ends if rng.random() < 0.6]
-    r = Row.standalone(ids + ([7, 7] if not samples else []), 0, rng.randrange(4), False, pages,
-                       snapshots=snaps)
-    return r if samples else Row(r.request, 0, n, snaps, -1, False)
+    src = rng.randrange(40, 48) if restore else -1
+    r = Row.standalone(ids + ([7, 7] if not samples else []), start, rng.randrange(4), start > 0,
+                       pages, snapshots=snaps, restore_from=src)
+    return r if samples else Row(r.request, start, n, snaps, src, start > 0)
 
 
 def _full_bytes(graphs, key, batch) -> np.ndarray:
@@ -66,16 +71,36 @@ def test_template_bytes_are_the_full_packing(graphs):
     assert used > 80  # most steps came from a template
 
 
+def test_follow_up_suffixes_take_templates_across_starts(graphs):
+    """A follow-up turn's suffix: the same key at starts a whole number of chunks apart (with
+    more or fewer pages than the template's prompt), with and without a restore."""
+    rng, L = random.Random(2), graphs.chunk_size
+    used = 0
+    for i in range(160):
+        n = rng.choice([1, 5, 16, 17, 31])
+        start = rng.choice([0, 1, 3]) + L * rng.randrange(0, (80 - n) // L + 1)
+        batch = Batch([_prompt(rng, n, samples=rng.random() < 0.8,
+                               extra_pages=rng.choice([0, 0, 1]),
+                               chunk=rng.choice([0, L]), start=start,
+                               restore=start > 0 and rng.random() < 0.5)], [])
+        assert graphs.can_run(batch)
+        key, host = graphs.plan(batch)
+        got = graphs.step_bytes(key, host).copy()
+        used += host.packed is not None and start >= L
+        np.testing.assert_array_equal(got, _full_bytes(graphs, key, batch), err_msg=str(i))
+        assert host.num_restores == (batch.prefills[0].restore_from >= 0)
+    assert used > 30  # suffixes at later starts reused templates made at earlier ones
+
+
 def test_other_steps_are_planned_in_full(graphs):
     rng = random.Random(1)
     first = _prompt(rng, 10, True, 0)
     decode = Row.standalone([5], 6, 3, True, [20, 21])
     cont = Row.standalone(list(range(3, 13)), 6, 2, True, [10, 11, 12, 13])  # a suffix
-    restore = Row.standalone(list(range(3, 19)), 0, 1, False, [14, 15, 16, 17], restore_from=5)
-    for batch in (Batch([first], [decode]), Batch([cont], []), Batch([restore], []),
+    for batch in (Batch([first], [decode]), Batch([cont], [decode]),
                   Batch([first, _prompt(rng, 5, True, 0)], [])):
         key = graphs.bucket_of(batch)
-        assert solo_key(key, batch) is None
+        assert solo_key(key, batch, graphs.chunk_size) is None
         for _ in range(2):  # never a template, however often seen
             _, host = graphs.plan(batch)
             assert host.packed is None
@@ -86,17 +111,20 @@ def test_other_steps_are_planned_in_full(graphs):
 def test_lone_prompts_with_the_prefix_cache_through_templates(tiny_ckpt):
     """Lone prompts one after another (lengths repeat, so later ones take templates), prefix
     caching on: the same tokens as eager, and each prompt's snapshots, written through a
-    template's patched destination slots, serve its follow-up turn (a hit, eager's tokens)."""
+    template's patched destination slots, serve its follow-up turn (a hit, eager's tokens),
+    whose suffix step also comes from a template once its key repeats."""
     kw = {"device": "cpu", "max_model_len": 96, "max_num_seqs": 2, "page_size": PS,
           "enable_prefix_caching": True}
     eager = LLM(tiny_ckpt, **kw)
     graph = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_prefill_tokens=32, **kw)
-    templates, used = graph.engine.runner.prefill_graph_runner.templates, []
+    templates, used, suffixes = graph.engine.runner.prefill_graph_runner.templates, [], []
     plan = templates.plan
 
     def noted(*a):
         host = plan(*a)
-        used.append(host.packed is not None and bool(a[1].prefills[0].snapshots))
+        row = a[1].prefills[0]
+        used.append(host.packed is not None and bool(row.snapshots))
+        suffixes.append(host.packed is not None and row.start > 0)
         return host
 
     templates.plan = noted
@@ -119,4 +147,5 @@ def test_lone_prompts_with_the_prefix_cache_through_templates(tiny_ckpt):
         same(second, i)
         assert second[1].num_cached_tokens >= 16, i  # the snapshot of the template step hit
     assert sum(used) >= 3  # templates with snapshots served the repeated lengths
+    assert sum(suffixes) >= 2  # and the follow-up turns' suffixes
     graph.engine.check_integrity()
