@@ -20,10 +20,11 @@ compares them on random fresh prompts and follow-up suffixes). The buffer is rew
 next step of the same key; the runner copies it into the step's upload at once, as it does the
 bucket's scratch buffer. Any other step gets its full plan (`plan_metadata`); a lone prompt of a
 key not seen yet is planned and packed in full once and kept as its key's template, up to
-MAX_TEMPLATES keys. So a prompt or suffix length seen before skips the planning and the packing:
-the first-step host time of a lone prompt drops by ~45 % on the project's 2-core CPU machine,
-by 200–400 µs on an H100's host (docs/benchmarks.md, "Host time per step"). A length not seen
-before pays the full plan once; the templates do not make that first plan faster.
+MAX_TEMPLATE_BYTES of buffers. So a prompt or suffix length seen before skips the planning and
+the packing: the first-step host time of a fresh lone prompt drops by ~45 % on the project's
+2-core CPU machine, by 200–400 µs on an H100's host, a follow-up suffix's by 340–670 µs on the
+CPU machine (docs/benchmarks.md, "Host time per step"). A length not seen before pays the full
+plan once; the templates do not make that first plan faster.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import numpy as np
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import HostMetadata
 
-# templates kept per runner (one per key): a 512-token bucket's bytes are ~60 KB, so at most
-# ~30 MB of host memory
-MAX_TEMPLATES = 512
+# host memory for templates per runner (one buffer per key): a bucket's bytes grow with its page
+# table, ~60 KB for a 512-token bucket at max_model_len 4,096, ~0.5 MB for a 2,048-token one at
+# 131,072; past the budget new keys are planned in full, as before any template existed
+MAX_TEMPLATE_BYTES = 64 << 20
 # the bucket's parts a lone prompt's data reaches (everything else is the key's)
 PATCHED = ("input_ids", "positions", "slot_mapping", "page_table", "state_slots", "snap_dst",
            "chunk_snap_dst", "restore_src", "restore_dst")
@@ -74,25 +76,26 @@ def solo_key(bucket: tuple, batch: Batch, chunk_size: int) -> tuple | None:
 
 class SoloTemplates:
     def __init__(self, page_size: int, scratch_page: int, chunk_size: int,
-                 max_templates: int = MAX_TEMPLATES) -> None:
+                 max_bytes: int = MAX_TEMPLATE_BYTES) -> None:
         self.page_size, self.scratch_page = page_size, scratch_page
-        self.chunk_size, self.max_templates = chunk_size, max_templates
+        self.chunk_size, self.max_bytes, self.nbytes = chunk_size, max_bytes, 0
         self._by_key: dict[tuple, _Template] = {}
 
     def plan(self, bucket: tuple, batch: Batch, plan_full: Callable[[], HostMetadata],
              pack: Callable[[HostMetadata], tuple[np.ndarray, dict[str, np.ndarray]]]
              ) -> HostMetadata:
         """The step's host side. A lone prompt of a known key: the key's stub, its bytes written
-        for `batch`. Else `plan_full()` (`plan_metadata`); for a lone prompt of a new key with
-        room left, its bytes are also packed once (`pack`: into a buffer of their
+        for `batch`. Else `plan_full()` (`plan_metadata`); for a lone prompt of a new key while
+        the byte budget lasts, its bytes are also packed once (`pack`: into a buffer of their
         own, with its `host_views`) and kept as the key's template, and the stub is returned."""
         key = solo_key(bucket, batch, self.chunk_size)
         t = None if key is None else self._by_key.get(key)
         if t is None:
             host = plan_full()
-            if key is None or len(self._by_key) >= self.max_templates:
+            if key is None or self.nbytes >= self.max_bytes:
                 return host
             t = self._remember(key, host, *pack(host), batch.prefills[0])
+            self.nbytes += t.host.packed.nbytes
         r, v = batch.prefills[0], t.views
         pages = np.array(r.pages, dtype=np.int64)
         positions = t.local + r.start

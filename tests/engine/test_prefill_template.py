@@ -149,3 +149,28 @@ def test_lone_prompts_with_the_prefix_cache_through_templates(tiny_ckpt):
     assert sum(used) >= 3  # templates with snapshots served the repeated lengths
     assert sum(suffixes) >= 2  # and the follow-up turns' suffixes
     graph.engine.check_integrity()
+
+
+def test_templates_stop_at_their_byte_budget(graphs):
+    """Past the budget a new key is planned in full (the same bytes), and known keys still hit."""
+    from mambaserve.engine.prefill_template import SoloTemplates
+
+    rng = random.Random(4)
+    small = SoloTemplates(PS, graphs.scratch_page, graphs.chunk_size, max_bytes=1)
+    graphs.templates, saved = small, graphs.templates
+    try:
+        first = Batch([_prompt(rng, 16, True, 0)], [])
+        _, host = graphs.plan(first)
+        assert host.packed is not None and small.nbytes > 0  # the first key fits
+        other = Batch([_prompt(rng, 17, True, 0)], [])
+        key, host = graphs.plan(other)
+        assert host.packed is None  # over the budget: planned in full
+        np.testing.assert_array_equal(graphs.step_bytes(key, host),
+                                      _full_bytes(graphs, key, other))
+        again = Batch([_prompt(rng, 16, True, 0)], [])
+        key, host = graphs.plan(again)
+        assert host.packed is not None
+        np.testing.assert_array_equal(graphs.step_bytes(key, host).copy(),
+                                      _full_bytes(graphs, key, again))
+    finally:
+        graphs.templates = saved
