@@ -219,6 +219,51 @@ def test_ssd_fp32_single_fresh_row():
     _close(got, ref, st0, F32_TOL)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("start,n", [(0, 20), (0, 9), (13, 20)],
+                         ids=["fresh", "fresh_one_chunk", "follow_up"])
+def test_ssd_fp32_bucket_with_empty_padding_rows(start, n, prefetch):
+    """A lone row in a prefill graph's bucket (engine/prefill_bucket.py) whose padding rows hold
+    no token: each has one empty chunk, which launch S skips. The real row's outputs, its final
+    state and its snapshot against the reference on the same layout; the scratch slot as the
+    reference leaves it."""
+    import numpy as np
+
+    from mambaserve.engine.prefill_bucket import PrefillBucket, pack_prefill_step
+    from mambaserve.metadata import plan_metadata
+
+    L, H, P, N, G = 16, 2, 24, 16, 1
+    end = start + n
+    snap_pos = [p for p in range((start // L + 1) * L, end + 1, L) if p < end][:1]
+    num_slots = 3
+    rows = [Row.standalone([1] * n, start, 1, start > 0, [0],
+                           snapshots=[(p, num_slots) for p in snap_pos])]
+    host = plan_metadata(Batch(rows, []), chunk_size=L, conv_kernel=4, page_size=1 << 20,
+                         scratch_page=0)
+    bucket = PrefillBucket(tokens=n, decodes=0, rows=4, chunk_size=L, conv_kernel=4,
+                           max_pages=1, snapshots=True)
+    parts = {k: torch.from_numpy(np.ascontiguousarray(v)).to(DEV) for k, v in
+             bucket.host_views(pack_prefill_step(host, bucket, page_size=1 << 20,
+                                                 scratch_page=0)).items()}
+    assert parts["row_num_chunks"][1:].tolist() == [1, 1, 1]  # the empty padding rows
+    gen = torch.Generator().manual_seed(11 + start)
+    x, dt, A, B, C, D, dtb, st = _inputs(n, H, P, N, G, num_slots + 1, torch.float32, gen, False)
+    args = (parts["state_slots"][:4].to(torch.int32), parts["has_initial_state"],
+            parts["chunk_token_idx"], parts["token_chunk_pos"], parts["row_chunks"],
+            parts["row_num_chunks"], parts["chunk_snap_dst"])
+    st_ref, st_tri = st.clone(), st.clone()
+    y_ref = ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dtb, (0.0, float("inf")), st_ref, *args)
+    with tuning.override("ssd", prefetch_state=prefetch):
+        y = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, (0.0, float("inf")), st_tri,
+                                         *args)
+    torch.testing.assert_close(y, y_ref, rtol=F32_TOL, atol=F32_TOL)
+    torch.testing.assert_close(st_tri[:-1], st_ref[:-1], rtol=F32_TOL, atol=F32_TOL)
+    torch.testing.assert_close(st_tri[-1], st[-1])  # the scratch slot untouched
+    assert not torch.equal(st_tri[1], st[1])  # the row's final state was written
+    if snap_pos:
+        assert not torch.equal(st_tri[num_slots], st[num_slots])  # and its snapshot
+
+
 def test_ssd_fp16_knobs_chunk64():
     rows = [(150, 3, 0, True), (40, 0, 1, False), (64, 100, 2, True)]
     got, ref, st0 = _run(rows, H=4, P=24, N=32, G=2, chunk_size=64, dtype=torch.float16,
