@@ -54,19 +54,24 @@ class _Template:
     snap_chunk: np.ndarray  # per snapshot: the chunk whose end it saves
 
 
+def lone_prompt(batch: Batch) -> bool:
+    """One prefill row and nothing decoding beside it: a fresh prompt or a follow-up turn's
+    suffix on an otherwise idle engine."""
+    return not batch.decodes and len(batch.prefills) == 1
+
+
 def fresh_lone_prompt(batch: Batch) -> bool:
-    """One prefill row from position 0 with no initial state and no restore, nothing decoding
-    beside it: a new request's first step on an otherwise idle engine."""
-    if batch.decodes or len(batch.prefills) != 1:
+    """A lone prompt from position 0 with no initial state and no restore: a new request's first
+    step on an otherwise idle engine."""
+    if not lone_prompt(batch):
         return False
     r = batch.prefills[0]
     return not (r.start or r.has_initial_state or r.restore_from >= 0)
 
 
 def solo_key(bucket: tuple, batch: Batch, chunk_size: int) -> tuple | None:
-    """The template key of a lone prompt's step in `bucket` (one prefill row, no decode rows:
-    a fresh prompt or a follow-up turn's suffix); None for any other step."""
-    if batch.decodes or len(batch.prefills) != 1:
+    """The template key of a lone prompt's step in `bucket`; None for any other step."""
+    if not lone_prompt(batch):
         return None
     r = batch.prefills[0]
     return (bucket, r.num_tokens, r.start % chunk_size, bool(r.has_initial_state),

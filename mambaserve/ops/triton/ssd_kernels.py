@@ -170,8 +170,9 @@ def _chunk_state_passing_kernel(
     cid = tl.load(row_chunks_ptr + r * rc_r).to(tl.int64)
     t0 = tl.load(cti_ptr + cid * cti_c)
     clen = tl.load(clen_ptr + cid)
-    # a graph bucket's empty padding row (one chunk without tokens) has nothing to pass: launch C
-    # reads neither its chunk's source nor its end state, and its slot is the scratch one (-1)
+    # a graph bucket's empty padding row (one chunk without tokens, so that every row's first
+    # chunk above is a real index) has nothing to pass: launch C reads neither that chunk's
+    # source nor its end state, and the row's slot is the scratch one (-1)
     nck = tl.where((nck == 1) & (clen == 0), 0, nck)
     cdt = x_ptr.dtype.element_ty
     if PREFETCH:  # this chunk's tiles, and the next chunk's id, first token and length
