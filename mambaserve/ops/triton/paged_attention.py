@@ -314,6 +314,17 @@ def tiled_num_splits(programs: int, max_kv_len: int, target_programs: int,
                       triton.cdiv(max(1, max_kv_len), max(1, min_split_keys))))
 
 
+# The tiled kernel's default keys per step, whatever the page size (each key's page is looked
+# up on its own): 16 / 32 / 64 swept in scripts/prefix_attention_sweep.py (docs/kernels.md)
+TILED_BLOCK_N = 64
+
+
+def tiled_num_warps(block_m: int, block_n: int, block_d: int) -> int:
+    """The tiled kernel's default warps: 8 where 4 warps' registers spill (sm_90 ptxas: from
+    BLOCK_M x (BLOCK_D + BLOCK_N) = 128 x 160 up), else 4."""
+    return 8 if block_m * (block_d + block_n) >= 128 * 128 else 4
+
+
 def decode_block_n(head_dim: int) -> int:
     """The per-token kernel's default keys per step: a K/V tile of 4096 elements, 32 keys of
     head_dim 128, 64 of head_dim 64 (the best block_n at 64 decode tokens in
@@ -360,8 +371,10 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
     IP = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     if tiled:
-        BLOCK_N = block_n or max(16, min(64, triton.next_power_of_2(page_size)))
+        BLOCK_N = block_n or TILED_BLOCK_N
         BLOCK_M = max(16, triton.next_power_of_2(cfg["block_m"]), triton.next_power_of_2(rep))
+        if num_warps is None:
+            num_warps = tiled_num_warps(BLOCK_M, BLOCK_N, BLOCK_D)
         tpb = max(1, BLOCK_M // rep)
         blocks = triton.cdiv(T, tpb)
         ns = tiled_num_splits(blocks * Hkv, int(max_kv_len), _target_programs(q.device),

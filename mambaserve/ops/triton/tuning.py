@@ -100,9 +100,10 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     "paged_attention": MappingProxyType({"block_n": None, "num_warps": None, "num_splits": None,
                                          "min_split_keys": 64}),
     # tiled paged attention (prefill tokens): block_m query rows per program; block_n None =
-    # max(16, min(64, pow2(page_size))); num_splits None = key partitions from
-    # tiled_num_splits (few programs only) with min_split_keys, an int forces that many
-    "paged_attention_tiled": MappingProxyType({"block_m": 128, "block_n": None, "num_warps": 4,
+    # TILED_BLOCK_N (64 keys whatever the page size); num_warps None = `tiled_num_warps` (8
+    # where 4 would spill the accumulator: 128 x 128 tiles); num_splits None = key partitions
+    # from tiled_num_splits (few programs only) with min_split_keys, an int forces that many
+    "paged_attention_tiled": MappingProxyType({"block_m": 128, "block_n": None, "num_warps": None,
                                                "num_splits": None, "min_split_keys": 256}),
     # rotary: None = block_h min(16, pow2(heads))
     "rotary": MappingProxyType({"block_h": None}),
