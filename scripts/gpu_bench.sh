@@ -4,7 +4,8 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode gemv gemv-rules decode-kernels fp8-serve
+#         latency latency-profile attention-decode prefix-attention gemv gemv-rules
+#         decode-kernels fp8-serve
 #         fp8-sweep fp8-rows fp8-state pdl prefetch dense-attn host sampler
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
 # Everything printed goes to $OUT/log.txt; each stage's JSON / PNG files are packed into
@@ -75,6 +76,11 @@ stage_check() {  # exactness of the engine on CUDA vs transformers (tiny model),
             .whl/tf/*.whl && tf=/tmp/tf:
     fi
     PYTHONPATH=$tf$PYTHONPATH run check 150 $PY scripts/gpu_check.py --out "$W/gpu_check.json"
+}
+stage_prefix-attention() {  # the tiled paged attention behind a cached prefix: tiles and key
+    # partitions against the launcher's default (kernels.md "Prefill attention behind a cached
+    # prefix")
+    run prefix-attention 300 $PY scripts/prefix_attention_sweep.py
 }
 stage_gemv() {  # the few-rows linear vs cuBLAS at the presets' decode shapes (kernels.md)
     run gemv 300 $PY scripts/gemv_sweep.py --out "$W/gemv_sweep.json"
