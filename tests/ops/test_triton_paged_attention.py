@@ -202,11 +202,13 @@ def test_paged_attention_tiled_splits_by_itself_behind_a_long_prefix(monkeypatch
                     block_m=32, min_split_keys=32)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert spy.grids == [(8, 8)]  # the 8 tokens x 8 query heads merged
-    assert tiled_num_splits(2, 208, 264, 32) == 7  # cdiv(208, 32) partitions at most
-    assert tiled_num_splits(2, 131072, 264, 256) == 132  # cdiv(264, 2): the target's worth
-    assert tiled_num_splits(66, 131072, 264, 256) == 4  # a quarter of the target: still split
-    assert tiled_num_splits(67, 131072, 264, 256) == 1  # programs enough: one pass
-    assert tiled_num_splits(2, 100, 264, 256) == 1  # a short context: one partition
+    assert tiled_num_splits(2, 208, 132, 32) == 7  # cdiv(208, 32) partitions at most
+    assert tiled_num_splits(2, 131072, 132, 256) == 66  # one wave: 132 // 2
+    assert tiled_num_splits(48, 2176, 132, 256) == 2  # a 128-token suffix behind 2,048 keys
+    assert tiled_num_splits(40, 131072, 132, 256) == 3  # never past one wave (3 x 40 <= 132)
+    assert tiled_num_splits(66, 131072, 132, 256) == 2  # half the SMs: still split
+    assert tiled_num_splits(67, 131072, 132, 256) == 1  # programs enough: one pass
+    assert tiled_num_splits(2, 100, 132, 256) == 1  # a short context: one partition
 
 
 def test_empty_partitions_leave_no_trace_in_nan_scratch(monkeypatch):

@@ -302,16 +302,16 @@ def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
                       triton.cdiv(max(1, max_kv_len), max(1, min_split_keys))))
 
 
-def tiled_num_splits(programs: int, max_kv_len: int, target_programs: int,
-                     min_split_keys: int) -> int:
+def tiled_num_splits(programs: int, max_kv_len: int, sms: int, min_split_keys: int) -> int:
     """Key partitions of the tiled kernel, from host ints only: 1 unless its programs (token
-    blocks x KV heads) fill at most a quarter of target_programs (a short prompt or a follow-up
-    turn's suffix after a long cached prefix: a handful of programs would each walk the whole
-    context), then enough to reach target_programs, no more than max_kv_len / min_split_keys."""
-    if programs * 4 > target_programs:
+    blocks x KV heads) fill at most half the SMs (a short prompt or a follow-up turn's suffix
+    after a long cached prefix: a handful of programs would each walk the whole context), then
+    as many as keep one wave (programs x partitions <= SMs; a default 8-warp program takes a
+    whole SM), no more than max_kv_len / min_split_keys. One wave beat two per SM behind a
+    prefix (H100, scripts/prefix_attention_sweep.py: 84.5 against 100.9 µs at 2048 + 128)."""
+    if programs * 2 > sms:
         return 1
-    return max(1, min(triton.cdiv(target_programs, programs),
-                      triton.cdiv(max(1, max_kv_len), max(1, min_split_keys))))
+    return max(1, min(sms // programs, triton.cdiv(max(1, max_kv_len), max(1, min_split_keys))))
 
 
 # The tiled kernel's default keys per step, whatever the page size (each key's page is looked
@@ -377,7 +377,7 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
             num_warps = tiled_num_warps(BLOCK_M, BLOCK_N, BLOCK_D)
         tpb = max(1, BLOCK_M // rep)
         blocks = triton.cdiv(T, tpb)
-        ns = tiled_num_splits(blocks * Hkv, int(max_kv_len), _target_programs(q.device),
+        ns = tiled_num_splits(blocks * Hkv, int(max_kv_len), _target_programs(q.device) // 2,
                               cfg["min_split_keys"]) if cfg["num_splits"] is None \
             else int(cfg["num_splits"])
         assert ns >= 1, ns
