@@ -58,6 +58,7 @@ def _tol(dtype):  # one rounding of the output plus float32 sums in another orde
     (5, 33, 130, {"use_dot": True, "split_k": 3, "block_k": 16}),    # tensor cores, split K
     (8, 24, 48, {}),                                                 # the launch rules
     (1, 48, 16, {}),
+    (4, 200, 48, {}),                          # the rules' 64-column blocks (wide), ragged N
 ])
 def test_gemv_matches_linear(dtype, M, N, K, knobs):
     x, w, b = _case(M, N, K, dtype)
@@ -104,14 +105,19 @@ def test_too_many_rows_are_refused():
 
 
 def test_launch_rules():
-    """FMAs for one or two rows when N <= 3 K, tensor cores else; split K only with tensor cores
-    and only while the column blocks are too few (interpreter: one "SM")."""
+    """FMAs for one or two rows when N <= 3 K, tensor cores else (64-column blocks from three
+    rows of a wide product); split K only with tensor cores and only while the column blocks are
+    too few (interpreter: one "SM")."""
     dev = torch.device("cpu")
     p = launch_plan(1, 4480, 15680, dev)
     assert not p["use_dot"] and p["split_k"] == 1 and p["block_k"] * p["block_n"] == 2048
     assert launch_plan(2, 4480, 4480, dev)["use_dot"] is False
     p = launch_plan(1, 22656, 4480, dev)
     assert p["use_dot"] and p["block_n"] == 32 and p["block_k"] == 128
+    # three or more rows: 64 columns per block on the wide shapes, 32 on the others
+    assert launch_plan(8, 22656, 4480, dev)["block_n"] == 64
+    assert launch_plan(3, 15680, 4480, dev)["block_n"] == 64
+    assert launch_plan(8, 4480, 15680, dev)["block_n"] == 32
     assert launch_plan(3, 100, 100, dev)["use_dot"]
     p = launch_plan(8, 64, 4096, dev)
     assert p["even_k"] and p["k_per_split"] * p["split_k"] == 4096

@@ -193,7 +193,8 @@ def launch_plan(M: int, N: int, K: int, device, dot: bool = True) -> dict:
       use_dot: FMAs for one or two rows of a product with N <= 3 K (the out_proj / down shapes,
                where they beat cuBLAS by 10-30 %), tensor cores otherwise;
       block_n: with FMAs 8 when the 8-column blocks number >= 4 per SM, else 4; with tensor
-               cores 32;
+               cores 64 for three or more rows of a product with N >= 3 K (the 9B's in_proj,
+               up, lm_head at 8 rows: 3-7 % faster than 32 on an H100), else 32;
       block_k: with FMAs 2048 // (block_n * BLOCK_M) (the accumulator's size), at least 32;
                with tensor cores 128; at most pow2(K) either way;
       split_k: with FMAs 1 (more column blocks beat K splits); with tensor cores doubled from 1
@@ -208,7 +209,10 @@ def launch_plan(M: int, N: int, K: int, device, dot: bool = True) -> dict:
     block_m = max(16, pow2(M)) if use_dot else pow2(M)
     block_n = cfg["block_n"]
     if block_n is None:
-        block_n = 32 if use_dot else (8 if triton.cdiv(N, 8) >= 4 * sms else 4)
+        if use_dot:
+            block_n = 64 if M > 2 and N >= 3 * K else 32
+        else:
+            block_n = 8 if triton.cdiv(N, 8) >= 4 * sms else 4
     block_k = cfg["block_k"]
     if block_k is None:
         block_k = 128 if use_dot else max(32, 2048 // (block_n * block_m))
