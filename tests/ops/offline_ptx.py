@@ -38,3 +38,30 @@ def compile_report(script: str, what: str):
         pytest.skip("no ptxas for an offline sm_90 compile")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# Source to put before a compile script: `sm90(k, sig, const, div, num_warps, num_stages)`
+# compiles kernel `k` for sm_90 (its pointers and the arguments named in `div` marked multiples
+# of 16, as the JIT specializes them), runs ptxas -v, and returns the PTX and the spill bytes per
+# thread (stores + loads).
+SM90 = r'''
+import re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+
+def sm90(k, sig, const, div, num_warps, num_stages=None):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
+             if n.endswith("_ptr") or n in div}
+    opts = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})}
+    ptx = triton.compile(ASTSource(k, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                         options=opts).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o",
+                              f.name + ".cubin"], capture_output=True, text=True, check=True)
+    return ptx, sum(int(v) for v in re.findall(r"(\d+) bytes spill", out.stderr))
+'''

@@ -397,7 +397,7 @@ def test_paged_attention_split_kv_heuristic(monkeypatch, max_kv_len, min_split_k
                     min_split_keys=min_split_keys)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert spy.grids == [(1, 10)]
-    assert choose_num_splits(1, 2, max_kv_len, tpa._target_programs(out.device),
+    assert choose_num_splits(1, 2, max_kv_len, 2 * tpa._sms(out.device),
                              min_split_keys) == splits
 
 

@@ -5,7 +5,7 @@ partials (max, sum, accumulator) where the unsplit one stores the bf16 output.""
 from __future__ import annotations
 
 import pytest
-from offline_ptx import compile_report, skip_without_triton
+from offline_ptx import SM90, compile_report, skip_without_triton
 
 skip_without_triton()
 
@@ -56,11 +56,7 @@ def test_both_variants_compile_and_store_what_they_should(stores):
 
 
 SPILL_SCRIPT = r'''
-import json, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+import json
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.paged_attention import (_paged_attention_tiled_kernel as k,
                                                    TILED_BLOCK_N, tiled_num_warps)
@@ -73,26 +69,16 @@ div = ("q_t", "q_h", "c_kv", "c_p", "c_s", "c_h", "o_t", "o_h", "a_t", "a_h", "a
 block_m = tuning.DEFAULT["paged_attention_tiled"]["block_m"]
 report = {}
 for dh in (128, 64):
-    block_n = TILED_BLOCK_N
-    nw = tiled_num_warps(block_m, block_n, dh)
+    nw = tiled_num_warps(block_m, TILED_BLOCK_N, dh)
     for split in (False, True):
-        const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dh, IP="tf32", SPLIT=split,
+        const = dict(BLOCK_M=block_m, BLOCK_N=TILED_BLOCK_N, BLOCK_D=dh, IP="tf32", SPLIT=split,
                      **{n: 1 for n in unit})
         sig = {n: "constexpr" if n in const else ptrs.get(n, "*i64" if n.endswith("_ptr")
                                                           else "fp32" if n == "scale" else "i32")
                for n in k.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
-                 if n.endswith("_ptr") or n in div}
-        ptx = triton.compile(ASTSource(k, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": nw}).asm["ptx"]
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(ptx)
-            f.flush()
-            out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o",
-                                  f.name + ".cubin"], capture_output=True, text=True, check=True)
-        report[f"{dh}_{split}"] = {
-            "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill", out.stderr)),
-            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "num_warps": nw}
+        ptx, spills = sm90(k, sig, const, div, nw)
+        report[f"{dh}_{split}"] = {"spill_bytes": spills, "num_warps": nw,
+                                   "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))}
 print(json.dumps(report))
 '''
 
@@ -103,7 +89,8 @@ def test_default_launch_spills_no_register_on_sm90():
     offline for sm_90 as the engine's launches specialize it: ptxas spills nothing and the dots
     run on wgmma. (The earlier default, 16 keys per step on 4 warps at head_dim 128, spilled
     148-264 bytes per thread.)"""
-    report = compile_report(SPILL_SCRIPT, "the tiled paged-attention kernel's default launch")
+    report = compile_report(SM90 + SPILL_SCRIPT,
+                            "the tiled paged-attention kernel's default launch")
     for key, r in report.items():
         assert r["spill_bytes"] == 0, (key, r)
         assert r["wgmma"] > 0, (key, r)

@@ -365,11 +365,7 @@ def test_snapshots_need_contiguous_heads():
 
 
 STATE_SM90_SCRIPT = r'''
-import json, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+import json
 from mambaserve.ops.triton.ssd_kernels import _chunk_scan_kernel, _chunk_state_passing_kernel
 ptrs = {"x_ptr": "*bf16", "B_ptr": "*bf16", "C_ptr": "*bf16", "cti_ptr": "*i64",
         "dtc_ptr": "*fp32", "cum_ptr": "*fp32", "clen_ptr": "*i32", "st_ptr": "*bf16",
@@ -383,17 +379,8 @@ div = ("x_t", "x_h", "B_t", "B_g", "C_t", "C_g", "y_t", "y_h", "cti_c", "s_slot"
 
 def compile_report(k, const, num_warps, num_stages):
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names)
-             if n.endswith("_ptr") or n in div}
-    ptx = triton.compile(ASTSource(k, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": num_warps, "num_stages": num_stages}).asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o",
-                              f.name + ".cubin"], capture_output=True, text=True, check=True)
-    spills = [int(v) for v in re.findall(r"(\d+) bytes spill", out.stderr)]
-    return {"spill_bytes": sum(spills), "stores": len(re.findall(r"st\.global", ptx)),
+    ptx, spills = sm90(k, sig, const, div, num_warps, num_stages)
+    return {"spill_bytes": spills, "stores": len(re.findall(r"st\.global", ptx)),
             "to_bf16": len(re.findall(r"cvt\.rn\.bf16", ptx)),
             "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))}
 
@@ -422,9 +409,9 @@ def test_ssd_launches_compile_for_sm90():
     faster than the one-tile layout with snapshots all the same, docs/kernels.md run 19), rounds
     the chunk states to bf16 and adds the snapshot stores; the one-tile layout spills nothing;
     launch C's two column tiles spill nothing and use wgmma."""
-    from offline_ptx import compile_report
+    from offline_ptx import SM90, compile_report
 
-    r = compile_report(STATE_SM90_SCRIPT, "the SSD launches")
+    r = compile_report(SM90 + STATE_SM90_SCRIPT, "the SSD launches")
     assert r["state_split_0"]["spill_bytes"] == 0, r
     assert r["state_split_1"]["spill_bytes"] <= 160, r  # spill stores + loads, bytes per thread
     assert r["state_one_tile_0"]["spill_bytes"] == r["state_one_tile_1"]["spill_bytes"] == 0, r

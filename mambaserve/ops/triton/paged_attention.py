@@ -274,20 +274,19 @@ def _paged_attention_tiled_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=mq)
 
 
-_TARGET_PROGRAMS_CPU = 264  # 2 x the H200's 132 SMs; what the launcher assumes off CUDA
+_SMS_CPU = 132  # the H200's SMs; what the launchers assume off CUDA
 
 
 @functools.cache
-def _cuda_target_programs(device_index: int) -> int:
-    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+def _cuda_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _target_programs(device: torch.device) -> int:
-    """About two programs per SM (cached per device; a host query, no sync)."""
+def _sms(device: torch.device) -> int:
+    """The device's SM count (cached per device; a host query, no sync)."""
     if device.type != "cuda":
-        return _TARGET_PROGRAMS_CPU
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_target_programs(idx)
+        return _SMS_CPU
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
@@ -320,8 +319,8 @@ TILED_BLOCK_N = 64
 
 
 def tiled_num_warps(block_m: int, block_n: int, block_d: int) -> int:
-    """The tiled kernel's default warps: 8 where 4 warps' registers spill (sm_90 ptxas: from
-    BLOCK_M x (BLOCK_D + BLOCK_N) = 128 x 160 up), else 4."""
+    """The tiled kernel's default warps: 8 where 4 warps' registers spill (sm_90 ptxas: 128-row
+    tiles at head_dim 128 with 16 keys and up, at head_dim 64 with 64 keys), else 4."""
     return 8 if block_m * (block_d + block_n) >= 128 * 128 else 4
 
 
@@ -377,7 +376,7 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
             num_warps = tiled_num_warps(BLOCK_M, BLOCK_N, BLOCK_D)
         tpb = max(1, BLOCK_M // rep)
         blocks = triton.cdiv(T, tpb)
-        ns = tiled_num_splits(blocks * Hkv, int(max_kv_len), _target_programs(q.device) // 2,
+        ns = tiled_num_splits(blocks * Hkv, int(max_kv_len), _sms(q.device),
                               cfg["min_split_keys"]) if cfg["num_splits"] is None \
             else int(cfg["num_splits"])
         assert ns >= 1, ns
@@ -400,7 +399,7 @@ def paged_attention_triton(q, kv_cache, page_table, token_row, positions, max_kv
         num_warps = 4 if BLOCK_D * BLOCK_N >= 4096 else 2
     num_splits, min_split_keys = cfg["num_splits"], cfg["min_split_keys"]
     if num_splits is None:
-        ns = choose_num_splits(T, Hkv, int(max_kv_len), _target_programs(q.device),
+        ns = choose_num_splits(T, Hkv, int(max_kv_len), 2 * _sms(q.device),
                                min_split_keys)
         min_split = triton.cdiv(max(1, min_split_keys), BLOCK_N) * BLOCK_N
     else:
