@@ -70,7 +70,7 @@ class HostTimeConfig:
     engine: dict = field(default_factory=dict)
     seed: int = 0
     cached_prefix_len: int = 0  # P: each lone prompt follows a P-token history the cache serves
-    cprofile: int = 0  # > 0: the timed prefill steps under cProfile, this many functions listed
+    cprofile: int = 0  # > 0: the timed prefill steps' prefixes under cProfile, this many listed
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -126,10 +126,19 @@ class HostTimer:
         self.engine, self.clock = engine, StepClock()
         self.path = ""
         self.outputs: list = []  # the last step's outputs
-        self.profile = None  # a cProfile.Profile: `step(profiled=True)` runs under it
+        self.profile = None  # a cProfile.Profile: `step(profiled=True)`'s prefix runs under it
+        self.profiling = False
         runner = engine.runner
-        runner.section = self.clock.section
+        runner.section = self._section
         runner.on_forward = lambda batch, meta: self._note_path(meta)
+
+    def _section(self, label: str):
+        """The clock's section; the profiler stops where the forward starts (what it profiles
+        is the step's prefix, the host time the device waits for)."""
+        if label == "forward" and self.profiling:
+            self.profile.disable()
+            self.profiling = False
+        return self.clock.section(label)
 
     def _note_path(self, meta) -> None:
         """The path the step took, from the metadata it runs on: a graph runner's own (a
@@ -144,13 +153,14 @@ class HostTimer:
     def step(self, profiled: bool = False) -> dict[str, float] | None:
         """One engine step; its phases in seconds, None when it launched no forward."""
         self.clock.reset()
-        on = profiled and self.profile is not None
         t0 = time.perf_counter()
-        if on:
+        if profiled and self.profile is not None:
+            self.profiling = True
             self.profile.enable()
         self.outputs = self.engine.step()
-        if on:
+        if self.profiling:  # no forward in this step
             self.profile.disable()
+            self.profiling = False
         c = self.clock
         if "forward" not in c.start:
             return None
@@ -271,7 +281,7 @@ def run_host_time(c: HostTimeConfig, log=print) -> list[HostTimeResult]:
 
 
 def profile_table(profile: cProfile.Profile, top: int) -> str:
-    """The profiled steps' functions with the most own time, then the most time inside."""
+    """The profiled prefixes' functions with the most own time, then the most time inside."""
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out)
     stats.sort_stats("tottime").print_stats(top)
@@ -300,9 +310,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a follow-up turn: each lone prompt follows a history of this many "
                         "tokens, prefilled before (untimed) and served by the prefix cache")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
-                   help="run the timed prefill steps under cProfile and print its N functions "
-                        "with the most own time and the N with the most time inside (the "
-                        "profiler slows the host: phases measured with it are not comparable)")
+                   help="run the timed prefill steps' prefixes (from step() to the forward's "
+                        "start) under cProfile and print its N functions with the most own "
+                        "time and the N with the most time inside (the profiler slows the "
+                        "host: phases measured with it are not comparable)")
     p.add_argument("--out", default=None, help="write the results as a JSON list")
 
 
