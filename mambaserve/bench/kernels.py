@@ -32,8 +32,8 @@ PEER_IMPLS = ("mamba_ssm", "vllm")
 # sizes per case: the real run's, the dry run's
 SIZES = {
     "decode": ([1, 8, 64, 256], [1, 3]),
-    "norm": ([1, 256, 8192], [3]),
-    "conv": ([(8, 512), (1, 8192)], [(2, 40), (5, 2)]),
+    "norm": ([1, 256, 2048, 8192], [3]),
+    "conv": ([(8, 512), (1, 2048), (1, 8192)], [(2, 40), (5, 2)]),
     "prefill": ([(8, 512), (4, 2048), (1, 512), (1, 2048), (1, 8192)], [(2, 40), (1, 50)]),
     "attention": ([(8, 512), (8, 2048), (1, 8192)], [(2, 40), (1, 50)]),
     "moe": ([1, 8, 64, 512, 2048, 16384], [1, 20]),
@@ -97,7 +97,7 @@ def run(only: list[str], sweep: bool, out: str, dry: bool, conv_peer_file: str |
         if "decode" in only:
             kernels_decode.decode(h, sizes("decode"), sweep, peer, conv_peer)
         if "norm" in only:
-            kernels_decode.norm(h, sizes("norm"), peer)
+            kernels_decode.norm(h, sizes("norm"), sweep, peer)
         if "conv" in only:
             kernels_prefill.conv_prefill(h, sizes("conv"), sweep, conv_peer)
         if "prefill" in only:

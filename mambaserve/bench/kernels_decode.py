@@ -111,8 +111,14 @@ def decode(h: Harness, batches: list[int], sweep: bool, peer: dict | None, conv_
                 print(f"vllm conv update {Bt} failed: {type(e).__name__}: {e}", flush=True)
 
 
-def norm(h: Harness, tokens: list[int], peer: dict | None) -> None:
-    """Gated RMSNorm over tokens x d_inner in groups of d_inner / G (z a strided view)."""
+# gated RMSNorm warps per (token, group) program (the default: BLOCK // 256, 8 at the 9B's group
+# of 1,280 padded to 2,048): fewer warps, more programs resident per SM
+NORM_SWEEP = [2, 4, 16]
+
+
+def norm(h: Harness, tokens: list[int], sweep: bool, peer: dict | None) -> None:
+    """Gated RMSNorm over tokens x d_inner in groups of d_inner / G (z a strided view); with
+    `sweep` also at each NORM_SWEEP warp count."""
     from mambaserve.ops.gated_rmsnorm import gated_rmsnorm_ref
     from mambaserve.ops.triton.gated_rmsnorm import gated_rmsnorm_triton
 
@@ -123,10 +129,14 @@ def norm(h: Harness, tokens: list[int], peer: dict | None) -> None:
         z = torch.randn(T, 2 * D_IN, device=dev, dtype=dt_)[:, :D_IN]
         w = torch.randn(D_IN, device=dev, dtype=dt_)
         nbytes = 3 * T * D_IN * 2
-        err = rel(gated_rmsnorm_triton(y, z, w, gs, 1e-5), gated_rmsnorm_ref(y, z, w, gs, 1e-5))
-        ms = h.time_ms(lambda: gated_rmsnorm_triton(y, z, w, gs, 1e-5))
-        h.row(op="gated_rmsnorm", impl="triton", tokens=T, us=ms * 1e3, TBps=nbytes / ms / 1e9,
-              rel_err=err)
+        ref = gated_rmsnorm_ref(y, z, w, gs, 1e-5)
+        for name, knobs in [("triton", {})] + ([(f"triton w{nw}", {"num_warps": nw})
+                                                for nw in NORM_SWEEP] if sweep else []):
+            with tuning.override("gated_rmsnorm", **knobs):
+                err = rel(gated_rmsnorm_triton(y, z, w, gs, 1e-5), ref)
+                ms = h.time_ms(lambda: gated_rmsnorm_triton(y, z, w, gs, 1e-5))
+            h.row(op="gated_rmsnorm", impl=name, tokens=T, us=ms * 1e3,
+                  TBps=nbytes / ms / 1e9, rel_err=err)
         ms = h.time_ms(lambda: gated_rmsnorm_ref(y, z, w, gs, 1e-5))
         h.row(op="gated_rmsnorm", impl="torch ref", tokens=T, us=ms * 1e3,
               TBps=nbytes / ms / 1e9)
