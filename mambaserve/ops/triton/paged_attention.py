@@ -30,14 +30,12 @@ Launch parameters: `tuning` entries "paged_attention" (per-token kernel) and
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from mambaserve.ops.triton import tuning
-from mambaserve.ops.triton._common import await_previous, pdl_launch
+from mambaserve.ops.triton._common import await_previous, num_sms, pdl_launch
 
 
 @triton.jit
@@ -277,16 +275,10 @@ def _paged_attention_tiled_kernel(
 _SMS_CPU = 132  # the H200's SMs; what the launchers assume off CUDA
 
 
-@functools.cache
-def _cuda_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _sms(device: torch.device) -> int:
-    """The device's SM count (cached per device; a host query, no sync)."""
-    if device.type != "cuda":
-        return _SMS_CPU
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    """The device's SM count (`_common.num_sms`: cached, no sync); off CUDA the H200's, so the
+    interpreter runs the split paths the GPU takes."""
+    return num_sms(device) if device.type == "cuda" else _SMS_CPU
 
 
 def choose_num_splits(T: int, Hkv: int, max_kv_len: int, target_programs: int,
