@@ -169,8 +169,10 @@ def plan_metadata(batch: Batch, *, chunk_size: int, conv_kernel: int, page_size:
     starts_l = [0, *itertools.accumulate(lens_l)]
     T, Tp = starts_l[-1], starts_l[P]
 
-    input_ids = np.array(rows[0].token_ids, dtype=np.int64) if R == 1 else np.fromiter(
-        itertools.chain.from_iterable(r.token_ids for r in rows), dtype=np.int64, count=T)
+    # prefill rows: views of their prompts' arrays (copied once, here); decode rows: one id each
+    decode_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in decodes),
+                             dtype=np.int64, count=T - Tp)
+    input_ids = np.concatenate([r.token_array() for r in prefills] + [decode_ids])
     local = np.arange(T, dtype=np.int64)
     if R == 1:
         token_row = np.zeros(T, dtype=np.int64)

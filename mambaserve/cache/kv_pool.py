@@ -48,7 +48,10 @@ class KVPool:
     def allocate(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        pages = [self._free.pop() for _ in range(n)]
+        # the last n free pages, last first (the order n pops would give), in two list ops
+        cut = len(self._free) - n
+        pages = self._free[cut:][::-1]
+        del self._free[cut:]
         for p in pages:
             self.ref_count[p] = 1
         return pages

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mambaserve.engine.request import Request
 from mambaserve.engine.sampling_params import SamplingParams
 
@@ -79,6 +81,14 @@ class Row:
         else:
             ids = req.prompt_token_ids[a:b] + req.output_token_ids[: max(0, b - p)]
         return ids + [0] * (self.num_tokens - len(ids))
+
+    def token_array(self) -> np.ndarray:
+        """`token_ids` as int64: a view of the request's `prompt_array` for a row inside the
+        prompt (every fresh prefill row), else a new array."""
+        req, a, b = self.request, self.start, self.start + self.num_tokens
+        if b <= req.prompt_len:
+            return req.prompt_array[a:b]
+        return np.fromiter(self.token_ids, dtype=np.int64, count=self.num_tokens)
 
     @property
     def context_len(self) -> int:

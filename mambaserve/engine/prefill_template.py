@@ -105,7 +105,7 @@ class SoloTemplates:
         pages = np.array(r.pages, dtype=np.int64)
         positions = t.local + r.start
         page_of, offset = np.divmod(positions, self.page_size)
-        v["input_ids"][: r.num_tokens] = r.token_ids
+        v["input_ids"][: r.num_tokens] = r.token_array()
         v["positions"][: r.num_tokens] = positions
         v["slot_mapping"][: r.num_tokens] = pages[page_of] * self.page_size + offset
         v["page_table"][0, : len(pages)] = pages

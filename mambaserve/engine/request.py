@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mambaserve.engine.sampling_params import SamplingParams
 
 
@@ -66,6 +68,14 @@ class Request:
     # preemption: the prefill of a resumed request recomputes all_token_ids[:recompute_len]
     recompute_len: int = 0
     num_preemptions: int = 0
+    # the prompt as int64, converted once when the request is made: a prefill row's input ids
+    # are a view of it (`Row.token_array`), not a per-step conversion of a list (~90 µs for
+    # 2,048 ids on a 2-core CPU, on the host's path before a lone prompt's first kernel)
+    prompt_array: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ids = self.prompt_token_ids
+        self.prompt_array = np.fromiter(ids, dtype=np.int64, count=len(ids))
 
     def reset_prompt_logprobs(self) -> None:
         """No prompt logprobs yet (the first token's entry is None): the prefill computes them

@@ -1,6 +1,7 @@
 """The host batch type: what a row derives from its request, and the sampling plan's layout of
 logit rows (prompt-logprob targets, then the sample, row by row)."""
 
+import numpy as np
 import pytest
 
 from mambaserve.engine.batch import Batch, Row
@@ -33,6 +34,19 @@ def test_decode_rows_sample_and_have_no_prompt_targets():
     row = Row(req, 3, 1)
     assert row.token_ids == [21] and row.samples and row.prompt_targets == []
     assert row.logits_positions == [0]
+
+
+def test_token_array_is_token_ids_and_a_view_of_the_prompt_inside_it():
+    req = request([10, 11, 12, 13, 14], out=[20, 21])
+    req.recompute_len = 7  # a resumed request: its prefill runs past the prompt
+    rows = [Row(req, 0, 3), Row(req, 3, 2), Row(req, 3, 4), Row(req, 6, 1)]
+    for row in rows:
+        arr = row.token_array()
+        assert arr.dtype == np.int64 and arr.tolist() == row.token_ids
+    inside, across = rows[0].token_array(), rows[2].token_array()
+    assert np.shares_memory(inside, req.prompt_array)  # no per-step conversion
+    assert not np.shares_memory(across, req.prompt_array)
+    assert req.prompt_array.tolist() == req.prompt_token_ids
 
 
 def test_sampling_plan_lays_out_targets_then_samples_per_row():
