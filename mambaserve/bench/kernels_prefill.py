@@ -24,7 +24,8 @@ from mambaserve.ops.triton import tuning
 
 # (block_t, block_d, num_warps, lookahead) of the conv launch; the table has 16, 512, 4, 4
 CONV_SWEEP = [(16, 512, 4, 0), (16, 512, 4, 2), (8, 512, 4, 4), (32, 512, 4, 4), (16, 256, 2, 4),
-              (16, 1024, 8, 4), (16, 1024, 4, 4)]
+              (16, 1024, 8, 4), (16, 1024, 4, 4), (8, 256, 2, 4), (8, 1024, 8, 4), (8, 512, 4, 2),
+              (8, 512, 2, 4), (4, 512, 4, 4)]
 # launch S: (block_p_state, block_n_state, num_warps_state[, block_l_state, num_stages_state]),
 # one row tile per program and no prefetch (the layout before the split default, below);
 # the smaller blocks give one sequence's scan (a grid of heads x blocks) more programs; P blocks
