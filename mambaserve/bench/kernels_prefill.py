@@ -193,8 +193,7 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
                 launch()
             return scan
 
-        variants = [("triton", {}, 4), ("triton + 2 snapshots", {}, 4),
-                    ("triton, CB in x's dtype", {"cb_in_x_dtype": True}, 4)]
+        variants = [("triton", {}, 4), ("triton + 2 snapshots", {}, 4)]
         if sweep:
             for bp, bn, nw, *rest in SSD_STATE_SWEEP:
                 bl, ns = rest or (None, 1)
@@ -227,9 +226,6 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
             except Exception as e:  # noqa: BLE001
                 print(f"ssd {name} {shape} failed: {type(e).__name__}: {e}", flush=True)
         _ssd_cold(h, shape, flops, xbc, dt, (A, D, dt_bias, lim), ssm, args, s)
-        with tuning.override("ssd", cb_in_x_dtype=True):
-            _ssd_cold(h, shape, flops, xbc, dt, (A, D, dt_bias, lim), ssm, args, s,
-                      impl="triton, cold L2, CB in x's dtype")
         ms = h.time_ms(lambda: ssd_chunk_scan_varlen_ref(x, dt, A, Bm, Cm, D, dt_bias, lim, s1,
                                                          *args), rep=30)
         h.row(op="ssd_scan", impl="torch ref", shape=shape, us=ms * 1e3, TFLOPs=flops / ms / 1e9)
@@ -254,8 +250,7 @@ def _scan_views(xbc: torch.Tensor, s):
             xbc[:, d + gn:].view(-1, s.G, s.N))
 
 
-def _ssd_cold(h: Harness, shape: str, flops: int, xbc, dt, consts, ssm, args, s,
-              impl: str = "triton, cold L2") -> None:
+def _ssd_cold(h: Harness, shape: str, flops: int, xbc, dt, consts, ssm, args, s) -> None:
     """The row "triton, cold L2": the scan over enough copies of its inputs, run in turn in one
     graph, that each scan finds its x / B / C evicted from the L2 by the others', as in a model,
     where the conv before the scan and the projections after it move far more than the L2 holds
@@ -274,7 +269,7 @@ def _ssd_cold(h: Harness, shape: str, flops: int, xbc, dt, consts, ssm, args, s,
         x, Bm, Cm = _scan_views(xbc.clone(), s)
         scans.append(SsdScan(x, dt.clone(), A, Bm, Cm, D, dt_bias, lim, ssm.clone(), *args, None))
     us = h.device_us(lambda: [launch() for scan in scans for _, launch in scan.launches])
-    h.row(op="ssd_scan", impl=impl, shape=shape, copies=copies,
+    h.row(op="ssd_scan", impl="triton, cold L2", shape=shape, copies=copies,
           TFLOPs=flops * copies / us / 1e6, device_us=us / copies)
 
 

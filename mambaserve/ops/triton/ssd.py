@@ -157,8 +157,7 @@ class SsdScan:
         self.cum = torch.empty((num_chunks, H, L), **f32)
         self.clen = torch.empty((num_chunks,), dtype=torch.int32, device=dev)
         self.chunk_src = torch.empty((num_chunks,), dtype=torch.int64, device=dev)
-        self.cb = torch.empty((num_chunks, G, L, L), device=dev,
-                              dtype=x.dtype if k["cb_in_x_dtype"] else torch.float32)
+        self.cb = torch.empty((num_chunks, G, L, L), **f32)
 
     @property
     def launches(self) -> tuple[tuple[str, object], ...]:

@@ -85,9 +85,6 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # block_k_scan None = min(32, L) with two tiles, else 16.
     # block_p2_state / block_p2_scan > 0: a second tile of that many rows / columns in the same
     # program, past the first (the two must reach P); 0: none.
-    # cb_in_x_dtype: launch CB stores C·Bᵀ rounded to x's dtype instead of float32 (half the
-    # bytes launch C reads; launch C then scales the rounded scores, so outputs change by a
-    # rounding: off, an experiment, docs/kernels.md "Known limits").
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
         "block_p_state": 64, "block_p2_state": None, "block_n_state": None, "block_l_state": None,
@@ -95,7 +92,7 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
         "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
         "block_m_scan": None, "block_p_scan": None, "block_p2_scan": None, "block_k_scan": None,
         "block_n_scan": None,
-        "num_warps_scan": 4, "num_stages_scan": 3, "cb_in_x_dtype": False,
+        "num_warps_scan": 4, "num_stages_scan": 3,
     }),
     # per-token paged attention (decode tokens): None = block_n max(16, min(64, 4096 // BLOCK_D));
     # num_warps 4 when BLOCK_D * BLOCK_N >= 4096, else 2; num_splits from the split-KV heuristic
