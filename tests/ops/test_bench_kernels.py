@@ -134,3 +134,19 @@ def test_ssd_sweep_variants_resolve_at_the_9b_shapes():
     assert undone["state split no prefetch"][:3] == (16, 64, False)
     assert undone["scan one P tile"][3:] == (0, 16)
     assert undone["scan split k16"][3:] == (16, 16)
+
+
+def test_table_shows_a_graph_timed_row(capsys):
+    """The SSD's "cold L2" row carries only `device_us` (CUDA graphs): the table prints it
+    instead of failing on the missing host time (which lost the whole table on a GPU)."""
+    from mambaserve.bench.kernels import print_table
+
+    print_table([
+        {"op": "ssd_scan", "impl": "triton", "shape": "1x2048", "us": 167.5, "TFLOPs": 147.5,
+         "rel_err": 2.7e-3, "device_us": 156.6},
+        {"op": "ssd_scan", "impl": "triton, cold L2", "shape": "1x2048", "copies": 3,
+         "TFLOPs": 154.7, "device_us": 159.6},
+    ])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("| ssd_scan | triton | 1x2048 | 167.5 | 147.5 TFLOP/s | 2.7e-03")
+    assert out[-1].startswith("| ssd_scan | triton, cold L2 | 1x2048 | 159.6 (graph) | 154.7")
