@@ -25,7 +25,7 @@ from mambaserve.ops.fp8_matmul import (
     quantize_rows,
     quantize_weight_fp8,
 )
-from mambaserve.ops.linear import act_linear, linear
+from mambaserve.ops.linear import act_linear, linear, relu2_mlp
 
 
 class MLP(nn.Module):
@@ -61,9 +61,12 @@ class MLP(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(relu²(up(x))); `residual` (only where `folds_residual`): residual + that, added
         by down's launch."""
-        up, d = self.up_proj(x), self.down_proj
+        u, d = self.up_proj, self.down_proj
         if residual is not None:
-            return residual_projection(d, relu2(up), residual)
+            return residual_projection(d, relu2(u(x)), residual)
+        if is_plain_linear(d) and is_plain_linear(u):  # relu² in a launch for decode batches
+            return relu2_mlp(x, u.weight, u.bias, d.weight, d.bias)
+        up = u(x)
         if is_plain_linear(d):  # relu² in down's launch for decode-sized batches
             return act_linear(up, "relu2", d.weight, d.bias)
         if is_dynamic_fp8(d):  # relu² in the quantization's launch

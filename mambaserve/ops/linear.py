@@ -18,10 +18,13 @@ A residual stream's add in the projection's epilogue, for every row count:
         of the two torch ops (tests/ops/test_linear_residual.py). Callers use the returned
         tensor and drop `residual`, which may have been overwritten.
 
-Three more forms for the same few rows (elsewhere the public ops they stand for):
+Four more forms for the same few rows (elsewhere the public ops they stand for):
 
     linear(x, weight, bias, add=t): linear(x, weight, bias) + t, added in the kernel's epilogue
         with torch's rounding (bit for bit the two ops);
+    linear(x, weight, bias, act="relu2"): relu2(linear(x, weight, bias)), the activation of the
+        rounded product in the kernel's epilogue, rounded as `ops/activation.py` rounds it (bit
+        for bit the two ops);
     act_linear(x, act, weight, bias=None): linear(act(x), weight, bias), act "relu2" or
         "silu_mul" (an MLP's activation and its down projection): the activation applied to x
         as the kernel loads it, rounded as `ops/activation.py` rounds it, where the launch runs
@@ -30,9 +33,17 @@ Three more forms for the same few rows (elsewhere the public ops they stand for)
     linear_float32(x, weight): F.linear(x.float(), weight) for a float32 weight (a router kept in
         float32): one CUDA-core launch converting x as it loads it, where the reference casts x
         and runs cuBLAS's float32 GEMV.
+
+And a squared-ReLU MLP's two projections, `relu2_mlp(x, w_up, b_up, w_down, b_down)` =
+linear(relu2(linear(x, w_up, b_up)), w_down, b_down): the activation where a few-rows launch
+takes it without a pass of its own: in the down projection's launch as it loads its rows where
+that launch runs on CUDA cores (`act_linear`), else in the up projection's epilogue (three or
+more rows: the down launch on tensor cores would run the activation's kernel first).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -43,18 +54,38 @@ from mambaserve.ops.triton import tuning
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           add: torch.Tensor | None = None) -> torch.Tensor:
+           add: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """`add` (the output's shape and dtype): linear(x, weight, bias) + add, the sum rounded as
-    torch rounds it (the kernel adds it in its epilogue: no launch of its own)."""
+    torch rounds it (the kernel adds it in its epilogue: no launch of its own). `act` "relu2"
+    (not with `add`): relu2(linear(x, weight, bias)), likewise in the epilogue."""
+    if act is not None and act != "relu2":
+        raise ValueError(f"linear takes act 'relu2' or None, got {act!r}")
+    if act is not None and add is not None:
+        raise ValueError("linear takes act or add, not both")
     if kernel_path("gemv", x.device, x=x, weight=weight) == "triton":
         from mambaserve.ops.triton.gemv import gemv_triton
 
         N = weight.shape[0]
         y = gemv_triton(_rows(x), weight, bias, None if add is None else _rows(add.expand(
-            *x.shape[:-1], N)))
+            *x.shape[:-1], N)), out_act=act)
         return y.view(*x.shape[:-1], N)
     y = F.linear(x, weight, bias)
+    if act is not None:
+        return relu2(y)
     return y if add is None else y + add
+
+
+def relu2_mlp(x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None,
+              w_down: torch.Tensor, b_down: torch.Tensor | None) -> torch.Tensor:
+    """linear(relu2(linear(x, w_up, b_up)), w_down, b_down); see the module docstring for where
+    the activation runs."""
+    if kernel_path("gemv", x.device, x=x, weight=w_up) == "triton":
+        from mambaserve.ops.triton.gemv import launch_plan
+
+        rows = math.prod(x.shape[:-1])
+        if launch_plan(rows, w_down.shape[0], w_down.shape[1], x.device)["use_dot"]:
+            return linear(linear(x, w_up, b_up, act="relu2"), w_down, b_down)
+    return act_linear(linear(x, w_up, b_up), "relu2", w_down, b_down)
 
 
 def residual_in_projections(rows: int, device: torch.device) -> bool:

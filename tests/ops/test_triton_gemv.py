@@ -3,7 +3,8 @@ in float64 (CPU interpreter in float32 / float16; compiled on a GPU in bfloat16 
 products (FMA, tensor cores), split K reduced by the last arriving program (deterministic, the
 counters left at zero), biases, strided rows, ragged K and N, the launch rules, the dispatch of
 `ops.linear`; on the GPU the presets' shapes and a CUDA-graph replay. The MLP activations applied
-as x is loaded and an addend added in the epilogue, bit for bit against the two-launch path."""
+as x is loaded, relu² of the product and an addend in the epilogue, and the squared-ReLU MLP's
+choice between them, bit for bit against the two-launch path."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from triton_env import DEV, require_interpreter  # before anything imports trito
 # isort: split
 import torch.nn.functional as F
 
+import mambaserve.ops.linear as linear_ops
 from mambaserve.ops.activation import relu2, relu2_ref, silu_mul, silu_mul_ref
 from mambaserve.ops.dispatch import kernel_path
-from mambaserve.ops.linear import act_linear, linear, linear_float32
+from mambaserve.ops.linear import act_linear, linear, linear_float32, relu2_mlp
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.activation import relu2_triton, silu_mul_triton
 from mambaserve.ops.triton.gemv import (
@@ -323,6 +325,59 @@ def test_gemv_adds_like_torch(dtype, M, N, K, knobs):
     add = torch.randn(M, N, generator=torch.Generator().manual_seed(9)).to(DEV, dtype)
     with tuning.override("gemv", **knobs):
         assert torch.equal(gemv_triton(x, w, b, add), gemv_triton(x, w, b) + add)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M, N, K, knobs", FUSED_CASES)
+def test_relu2_in_the_epilogue_is_the_two_launch_path(dtype, M, N, K, knobs):
+    """relu² of the rounded product (bias included), rounded as the activation's kernel rounds
+    it: bit for bit the plain launch followed by that kernel, split K or not."""
+    x, w, b = _case(M, N, K, dtype, seed=5)
+    with tuning.override("gemv", **knobs):
+        for bias in (b, None):
+            assert torch.equal(gemv_triton(x, w, bias, out_act="relu2"),
+                               relu2_triton(gemv_triton(x, w, bias)))
+
+
+def test_linear_act_dispatch_and_refusals():
+    """linear(..., act="relu2") is relu2(linear(...)) on the reference path too; a wrong act or
+    act with add is a one-line ValueError."""
+    x, w, b = _case(3, 12, 16, torch.float32)
+    assert torch.equal(linear(x, w, b, act="relu2"), relu2(linear(x, w, b)))
+    with pytest.raises(ValueError, match="act 'relu2' or None, got 'gelu'"):
+        linear(x, w, b, act="gelu")
+    with pytest.raises(ValueError, match="act or add, not both"):
+        linear(x, w, b, add=torch.zeros(3, 12, device=DEV), act="relu2")
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 8])
+def test_relu2_mlp_places_the_activation_in_a_launch(monkeypatch, M):
+    """The squared-ReLU MLP on the few-rows kernels (forced on the CPU): relu² in the down
+    launch's loads at one or two rows (CUDA cores), in the up launch's epilogue from three (down
+    on tensor cores); bit for bit the three launches either way."""
+    calls = []
+
+    def forced(op, device, **inputs):
+        calls.append(op)
+        return "triton"
+
+    monkeypatch.setattr(linear_ops, "kernel_path", forced)
+    x, w_up, b_up = _case(M, 48, 16, torch.float32, seed=M)  # down: N 16 <= 3 x K 48
+    _, w_down, b_down = _case(M, 16, 48, torch.float32, seed=M + 1)
+    y = relu2_mlp(x, w_up, b_up, w_down, b_down)
+    assert ("act_linear" in calls) == (M <= 2)
+    three = gemv_triton(relu2_triton(gemv_triton(x, w_up, b_up)), w_down, b_down)
+    assert torch.equal(y, three)
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 8])
+@pytest.mark.parametrize("N, K", [(15680, 4480), (22656, 4480)])
+def test_relu2_epilogue_at_the_presets_up_shapes_on_gpu(M, N, K):
+    """The 9B's up projection (and a wider one): relu² in the epilogue, bit for bit the plain
+    launch then the activation's kernel (tensor cores, split K at 8 rows)."""
+    x, w, b = _case(M, N, K, torch.bfloat16, bias=False, seed=M)
+    assert torch.equal(linear(x, w, act="relu2"), relu2_triton(linear(x, w)))
 
 
 @gpu

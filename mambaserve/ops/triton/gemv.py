@@ -61,7 +61,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
                  stride_wn, stride_ym, stride_am, k_per_split, split_k,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                  USE_DOT: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
-                 HAS_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_ADD: tl.constexpr, OUT_ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                  PDL: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -127,6 +128,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
         if HAS_ADD:  # rounded, then added as torch adds two tensors of the dtype
             y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
                 add_ptr + add_offs, mask=out_mask, other=0.0).to(tl.float32)
+        if OUT_ACT == 1:
+            y = _relu2_rounded(y, y_ptr.dtype.element_ty)
         tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
         last, total = split_k_sum(y, part_ptr, cnt_ptr, rows, cols, out_mask, pid_n, pid_k, M, N,
@@ -137,7 +140,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
             if HAS_ADD:
                 total = total.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
                     add_ptr + add_offs, mask=out_mask, other=0.0).to(tl.float32)
+            if OUT_ACT == 1:
+                total = _relu2_rounded(total, y_ptr.dtype.element_ty)
             tl.store(y_ptr + out_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _relu2_rounded(y, dtype: tl.constexpr):
+    """relu²(y rounded to dtype), squared in float32 (ops/activation.py's rounding; the caller's
+    store rounds once more)."""
+    yr = tl.maximum(y.to(dtype).to(tl.float32), 0.0)
+    return yr * yr
 
 
 @triton.jit
@@ -153,10 +166,13 @@ def split_k_sum(y, part_ptr, cnt_ptr, rows, cols, mask, pid_n, pid_k, M, N, spli
     arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
     last = arrived == split_k - 1
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if last:  # the last of the column block's parts: reduce in order
+    if last:  # the last of the column block's parts: reduce in order (its own from registers)
         for s in range(split_k):
-            total += tl.load(part_ptr + s * M * N + part_offs, mask=mask, other=0.0,
-                             cache_modifier=".cg")
+            if s == pid_k:
+                total += y
+            else:
+                total += tl.load(part_ptr + s * M * N + part_offs, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
         tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     return last, total
 
@@ -234,12 +250,17 @@ def launch_plan(M: int, N: int, K: int, device, dot: bool = True) -> dict:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                add: torch.Tensor | None = None) -> torch.Tensor:
+                add: torch.Tensor | None = None, out_act: str | None = None) -> torch.Tensor:
     """`torch.nn.functional.linear`'s contract for x [M, K] (rows may be strided, last dim
     contiguous) with M <= the tuning entry's `max_m`, weight [N, K] (last dim contiguous) of
     x's dtype, bias [N] or None -> [M, N] in x.dtype, accumulated in float32. `add` [M, N] (x's
-    dtype): added to the rounded product as torch adds two tensors (`linear(...) + add`)."""
-    return _launch(x, weight, bias, x.shape[1] if x.dim() == 2 else -1, add=add)
+    dtype): added to the rounded product as torch adds two tensors (`linear(...) + add`).
+    `out_act` "relu2": relu² of the rounded product in the epilogue, rounded as
+    `ops/activation.py` rounds it (bit for bit `relu2(linear(...))`; not with `add`)."""
+    assert out_act in (None, "relu2"), out_act
+    assert out_act is None or add is None, "out_act and add are not taken together"
+    return _launch(x, weight, bias, x.shape[1] if x.dim() == 2 else -1, add=add,
+                   out_act=int(out_act is not None))
 
 
 def gemv_float32_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -274,7 +295,7 @@ def _two_launch_activation(x: torch.Tensor, act: str) -> torch.Tensor:
     return relu2_triton(x) if act == "relu2" else silu_mul_triton(x)
 
 
-def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None):
+def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None, out_act=0):
     assert x.dim() == 2 and x.stride(-1) == 1, "the few-rows launches take [M, K] rows"
     assert weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] == K
     # one dtype, or a float32 weight on the CUDA-core launch (gemv_float32_triton)
@@ -291,6 +312,8 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None):
         return y
     if K == 0:
         y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+        if out_act:
+            return relu2_triton(y)
         return y if add is None else y.add_(add)
     plan = plan or launch_plan(M, N, K, x.device)
     split = plan["split_k"]
@@ -301,8 +324,8 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None):
         add.stride(0) if add is not None else 0, plan["k_per_split"], split,
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=plan["even_k"],
         USE_DOT=plan["use_dot"], IEEE=x.dtype == torch.float32, ACT=act,
-        HAS_ADD=add is not None, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"],
-        BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"],
+        HAS_ADD=add is not None, OUT_ACT=out_act, BLOCK_M=plan["block_m"],
+        BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"],
         PREFETCH_LINES=plan["prefetch_lines"], num_warps=plan["num_warps"],
         **pdl_launch(x.device, _gemv_kernel))
     return y
