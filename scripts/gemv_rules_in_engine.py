@@ -108,7 +108,7 @@ def main() -> None:
     print("| launch | us per call | calls/step |")
     print("|---|---|---|")
     for name, s, calls in sorted(dec.top):
-        if "gemv" in name:
+        if "gemv" in name or "relu2" in name:
             print(f"| `{name}` | {1e6 * s / calls:.1f} | {calls / dec.steps:g} |")
     if a.out:
         with open(a.out, "w") as f:
