@@ -45,8 +45,14 @@ def sig(kern, const, fp8=False):
 
 CASES = {
     "gemv": (_gemv_kernel, dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, USE_DOT=False,
-                                IEEE=False, ACT=0, HAS_ADD=False, BLOCK_M=1, BLOCK_N=8,
-                                BLOCK_K=256, NUM_STAGES=3, PREFETCH_LINES=0), False),
+                                IEEE=False, ACT=0, HAS_ADD=False, OUT_ACT=0, BLOCK_M=1,
+                                BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, PREFETCH_LINES=0,
+                                LATE_TRIGGER=False), False),
+    # relu² in the epilogue, the next kernel let in after the main loop (tuning late_trigger)
+    "gemv_late": (_gemv_kernel, dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, USE_DOT=True,
+                                     IEEE=False, ACT=0, HAS_ADD=False, OUT_ACT=1, BLOCK_M=16,
+                                     BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, PREFETCH_LINES=0,
+                                     LATE_TRIGGER=True), False),
     "fp8_gemv": (_fp8_gemv_kernel, dict(STATIC=False, PREQUANT=True, HAS_BIAS=False,
                                         SPLIT=True, EVEN_K=True, USE_DOT=True, HW_FP8=True,
                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_A=1024,
@@ -54,8 +60,9 @@ CASES = {
                                         PREFETCH_LINES=0), True),
     # with the L2 prefetch of the weight rows (tuning knob prefetch_bytes): only prefetches
     "gemv_prefetch": (_gemv_kernel, dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, USE_DOT=False,
-                                         IEEE=False, ACT=0, HAS_ADD=False, BLOCK_M=1, BLOCK_N=8,
-                                         BLOCK_K=256, NUM_STAGES=3, PREFETCH_LINES=16), False),
+                                         IEEE=False, ACT=0, HAS_ADD=False, OUT_ACT=0,
+                                         BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3,
+                                         PREFETCH_LINES=16, LATE_TRIGGER=False), False),
     "fp8_gemv_prefetch": (_fp8_gemv_kernel, dict(STATIC=False, PREQUANT=True, HAS_BIAS=False,
                                                  SPLIT=False, EVEN_K=True, USE_DOT=False,
                                                  HW_FP8=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
@@ -83,11 +90,15 @@ for name, (kern, const, fp8) in CASES.items():
     lines = k.asm["ptx"].splitlines()
     wait = next(i for i, l in enumerate(lines) if "griddepcontrol.wait" in l)
     before = [l.strip() for l in lines[:wait]]
+    trigger = next((i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l),
+                   len(lines))
     report[name] = {
         "loads": sum("ld.global" in l for l in before),
         "stores": sum("st.global" in l for l in before),
         "atomics": sum(bool(ATOMIC.search(l)) for l in before),
         "prefetches": sum("prefetch.global.L2" in l for l in before),
+        "loads_before_trigger": sum("ld.global" in l or "cp.async" in l
+                                    for l in lines[:trigger]),
     }
 print(json.dumps(report))
 '''
@@ -101,15 +112,26 @@ def before_the_wait():
     return report
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "fp8_gemv", "conv1d_update", "conv1d_update_snap",
+@pytest.mark.parametrize("kernel", ["gemv", "gemv_late", "fp8_gemv", "conv1d_update",
+                                    "conv1d_update_snap",
                                     "selective_state_update", "selective_state_update_snap",
                                     "rms_norm"])
 def test_no_memory_is_touched_before_the_wait(before_the_wait, kernel):
-    assert before_the_wait[kernel] == {"loads": 0, "stores": 0, "atomics": 0,
-                                              "prefetches": 0}
+    report = dict(before_the_wait[kernel])
+    report.pop("loads_before_trigger")
+    assert report == {"loads": 0, "stores": 0, "atomics": 0, "prefetches": 0}
+
+
+def test_the_late_trigger_comes_after_the_weight_loads(before_the_wait):
+    """tuning gemv.late_trigger: the next kernel is let in after the main loop (its weight
+    loads precede griddepcontrol.launch_dependents), else right after the wait."""
+    assert before_the_wait["gemv"]["loads_before_trigger"] == 0
+    assert before_the_wait["gemv_late"]["loads_before_trigger"] > 0
 
 
 @pytest.mark.parametrize("kernel", ["gemv_prefetch", "fp8_gemv_prefetch"])
 def test_the_weight_prefetch_is_all_that_precedes_the_wait(before_the_wait, kernel):
     # 8 rows x 16 lines over 128 threads: one prefetch each, kept though its result is unused
-    assert before_the_wait[kernel] == {"loads": 0, "stores": 0, "atomics": 0, "prefetches": 1}
+    report = dict(before_the_wait[kernel])
+    report.pop("loads_before_trigger")
+    assert report == {"loads": 0, "stores": 0, "atomics": 0, "prefetches": 1}

@@ -29,7 +29,10 @@ weight with 16-bit rows, out in float32 (`gemv_float32_triton`, the CUDA-core la
 router, whose product transformers computes in float32).
 
 Launch parameters: `tuning` entry "gemv" (`launch_plan` resolves its None knobs; its
-`prefetch_bytes`, off, is the FP8 kernel's weight prefetch before the PDL wait). No host sync,
+`prefetch_bytes`, off, is the FP8 kernel's weight prefetch before the PDL wait). Under PDL
+the next kernel of the stream is let in once a program's main loop has ended (`late_trigger`,
+on; always with relu² in the epilogue), not right after the wait: its waiting programs would
+otherwise hold SM slots this launch's later waves need. No host sync,
 no value-dependent branch on the host: CUDA-graph capturable.
 """
 
@@ -42,6 +45,8 @@ import triton.language as tl
 from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton._common import (
     await_previous,
+    gdc_launch_dependents,
+    gdc_wait,
     num_sms,
     pdl_launch,
     pow2,
@@ -64,7 +69,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
                  HAS_ADD: tl.constexpr, OUT_ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                 PDL: tl.constexpr):
+                 LATE_TRIGGER: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -78,7 +83,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
         # the weight is no kernel's output: L2 may fetch it while the previous kernel runs
         prefetch_rows_l2(w_ptr, cols, col_ok, stride_wn, k_lo, k_hi, PREFETCH_LINES,
                          1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
-    await_previous(PDL)
+    if not LATE_TRIGGER:
+        await_previous(PDL)
+    elif PDL:  # the next kernel is scheduled once this one's loops end (tuning late_trigger)
+        gdc_wait()
     w_tile = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     if USE_DOT:
@@ -113,6 +121,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
             acc2 += w.to(tl.float32) * xv.to(tl.float32)
         else:
             acc3 += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
+    if LATE_TRIGGER and PDL:
+        gdc_launch_dependents()
     if USE_DOT:
         y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     elif BLOCK_M == 1:
@@ -246,7 +256,8 @@ def launch_plan(M: int, N: int, K: int, device, dot: bool = True) -> dict:
             "block_k": block_k, "split_k": split_k, "k_per_split": k_per_split,
             "even_k": K % k_per_split == 0 and k_per_split % block_k == 0,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-            "max_m": cfg["max_m"], "prefetch_lines": cfg["prefetch_bytes"] // 128}
+            "max_m": cfg["max_m"], "prefetch_lines": cfg["prefetch_bytes"] // 128,
+            "late_trigger": bool(cfg["late_trigger"])}
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -327,5 +338,6 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None, out_
         HAS_ADD=add is not None, OUT_ACT=out_act, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"],
         PREFETCH_LINES=plan["prefetch_lines"], num_warps=plan["num_warps"],
+        LATE_TRIGGER=plan["late_trigger"] or out_act != 0,
         **pdl_launch(x.device, _gemv_kernel))
     return y
