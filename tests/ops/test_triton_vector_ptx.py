@@ -64,8 +64,9 @@ from mambaserve.ops.triton.fp8_gemv import _fp8_gemv_kernel
 from mambaserve.ops.triton.gemv import _gemv_kernel
 ONE_ROW = {
     "gemv": (_gemv_kernel, dict(HAS_BIAS=False, SPLIT=False, EVEN_K=True, USE_DOT=False,
-                                IEEE=False, ACT=0, HAS_ADD=False, BLOCK_M=1, BLOCK_N=8,
-                                BLOCK_K=256, NUM_STAGES=4, PDL=0), "*bf16"),
+                                IEEE=False, ACT=0, HAS_ADD=False, OUT_ACT=0, BLOCK_M=1,
+                                BLOCK_N=8, BLOCK_K=256, NUM_STAGES=4, PREFETCH_LINES=0,
+                                LATE_TRIGGER=False, PDL=0), "*bf16"),
     "fp8_gemv": (_fp8_gemv_kernel, dict(STATIC=False, PREQUANT=True, HAS_BIAS=False, SPLIT=False,
                                         EVEN_K=True, USE_DOT=False, HW_FP8=True, BLOCK_M=1,
                                         BLOCK_N=8, BLOCK_K=512, BLOCK_A=2048, NUM_STAGES=3,
@@ -86,7 +87,8 @@ for name, (kernel, const, operand) in ONE_ROW.items():
 names = _gemv_kernel.arg_names
 for rows, bk in ((1, 512), (8, 64)):
     const = dict(HAS_BIAS=False, SPLIT=True, EVEN_K=False, USE_DOT=False, IEEE=False, ACT=0,
-                 HAS_ADD=False, BLOCK_M=rows, BLOCK_N=4, BLOCK_K=bk, NUM_STAGES=4, PDL=0)
+                 HAS_ADD=False, OUT_ACT=0, BLOCK_M=rows, BLOCK_N=4, BLOCK_K=bk, NUM_STAGES=4,
+                 PREFETCH_LINES=0, LATE_TRIGGER=False, PDL=0)
     sig = {n: "constexpr" if n in const else
            ("*bf16" if n == "x_ptr" else "*i32" if n == "cnt_ptr" else "*fp32")
            if n.endswith("_ptr") else "i32" for n in names}
