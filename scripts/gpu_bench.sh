@@ -95,6 +95,12 @@ stage_gemv-rules() {  # the few-rows linear's one-row rules inside the engine: b
                 --out "$W/gemv_rules_${p}_$r.json"
         done
     done
+    # batch 8: the narrow products' (out_proj, down, o_proj) launch variants (run 27)
+    for n in "" "block_n=16,split_k=1" "block_n=64,split_k=4"; do
+        MAMBASERVE_PDL=0 run "gemv-rules-b8-${n:-default}" 200 $PY scripts/gemv_rules_in_engine.py \
+            --preset $PRESET --batch-size 8 --steps 8 ${n:+--narrow $n} \
+            --out "$W/gemv_rules_b8_${n:-default}.json"
+    done
 }
 stage_decode-kernels() {  # the small per-layer decode kernels' launch settings (kernels.md)
     run decode-kernels 300 $PY scripts/decode_small_kernels_sweep.py \
