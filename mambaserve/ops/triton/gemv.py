@@ -31,8 +31,8 @@ router, whose product transformers computes in float32).
 Launch parameters: `tuning` entry "gemv" (`launch_plan` resolves its None knobs; its
 `prefetch_bytes`, off, is the FP8 kernel's weight prefetch before the PDL wait). Under PDL
 the next kernel of the stream is let in once a program's main loop has ended (`late_trigger`,
-on; always with relu² in the epilogue), not right after the wait: its waiting programs would
-otherwise hold SM slots this launch's later waves need. No host sync,
+on), not right after the wait: its waiting programs would otherwise hold SM slots this
+launch's later waves need (the down projection behind up with relu² in its epilogue). No host sync,
 no value-dependent branch on the host: CUDA-graph capturable.
 """
 
@@ -105,8 +105,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, add_ptr, M, N, K
             x_ok = row_ok[:, None] & k_ok[None, :]
         xv = tl.load(x_tile + k0, mask=x_ok, other=0.0)
         if ACT == 1:  # squared in float32, one rounding (ops/activation.py)
-            xf = tl.maximum(xv.to(tl.float32), 0.0)
-            xv = (xf * xf).to(x_ptr.dtype.element_ty)
+            xv = _relu2_rounded(xv, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
         if ACT == 2:  # x holds [gate | up]; silu rounded, then the product rounded
             up = tl.load(x_tile + K + k0, mask=x_ok, other=0.0).to(tl.float32)
             g = xv.to(tl.float32)
@@ -176,13 +175,10 @@ def split_k_sum(y, part_ptr, cnt_ptr, rows, cols, mask, pid_n, pid_k, M, N, spli
     arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
     last = arrived == split_k - 1
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if last:  # the last of the column block's parts: reduce in order (its own from registers)
+    if last:  # the last of the column block's parts: reduce in order
         for s in range(split_k):
-            if s == pid_k:
-                total += y
-            else:
-                total += tl.load(part_ptr + s * M * N + part_offs, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
+            total += tl.load(part_ptr + s * M * N + part_offs, mask=mask, other=0.0,
+                             cache_modifier=".cg")
         tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     return last, total
 
@@ -338,6 +334,6 @@ def _launch(x, weight, bias, K, act=0, add=None, plan=None, out_dtype=None, out_
         HAS_ADD=add is not None, OUT_ACT=out_act, BLOCK_M=plan["block_m"],
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], NUM_STAGES=plan["num_stages"],
         PREFETCH_LINES=plan["prefetch_lines"], num_warps=plan["num_warps"],
-        LATE_TRIGGER=plan["late_trigger"] or out_act != 0,
+        LATE_TRIGGER=plan["late_trigger"],
         **pdl_launch(x.device, _gemv_kernel))
     return y

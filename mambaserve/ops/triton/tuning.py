@@ -129,9 +129,9 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # each weight row before the wait, off here
     # (bf16 batch-1 decode 0.09 ms slower with 2,048 on an H100: docs/kernels.md);
     # late_trigger: under PDL the next kernel is let in after the main loop, not at the start,
-    # so its waiting programs do not take the slots of this launch's later waves (always for
-    # the launches with relu² in the epilogue, whose next kernel is the down projection; on an
-    # H100 batch-8 decode ~1 % faster, batch 1 unchanged: docs/kernels.md)
+    # so its waiting programs do not take the slots of this launch's later waves (above all
+    # the down projection's behind up with relu² in its epilogue; on an H100 batch-8 decode
+    # ~1 % faster, batch 1 unchanged: docs/kernels.md)
     "gemv": MappingProxyType({"max_m": 8, "use_dot": None, "block_n": None, "block_k": None,
                               "split_k": None, "num_warps": 4, "num_stages": 4,
                               "prefetch_bytes": 0, "late_trigger": True}),
