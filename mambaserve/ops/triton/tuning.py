@@ -45,10 +45,11 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # silu(gate) * up: BLOCK channels of one row per program (capped at pow2(I)); not swept
     "silu_mul": MappingProxyType({"block": 2048, "num_warps": 4}),
     # gated RMSNorm: None = max(1, min(8, BLOCK // 256)), BLOCK = next pow2 of the group size;
+    # rows: consecutive tokens per program (a power of two);
     # the whole-row launch that writes FP8 rows: None = min(32, max(4, tile // 512)); up to
     # fp8_unfused_rows rows the per-group norm and the quantization launch run instead (faster
     # there on an H100: docs/kernels.md, "FP8 activation quantization")
-    "gated_rmsnorm": MappingProxyType({"num_warps": None, "fp8_num_warps": None,
+    "gated_rmsnorm": MappingProxyType({"num_warps": None, "rows": 1, "fp8_num_warps": None,
                                        "fp8_unfused_rows": 32}),
     # the gate without a norm (y * silu(z)): BLOCK channels of one token per program (capped at
     # the next power of two of the width); not swept
@@ -85,10 +86,14 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # block_k_scan None = min(32, L) with two tiles, else 16.
     # block_p2_state / block_p2_scan > 0: a second tile of that many rows / columns in the same
     # program, past the first (the two must reach P); 0: none.
+    # Launch S in two launches (ssd_state_split.py: the chunks' local state terms in parallel on
+    # the state tiles above, then block_state_chain elements of a head's state per program along
+    # the row's chunks) when the step has at least state_split_chunks chunks per row; 0: never.
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
         "block_p_state": 64, "block_p2_state": None, "block_n_state": None, "block_l_state": None,
         "num_warps_state": 4, "num_stages_state": 1, "prefetch_state": None,
+        "state_split_chunks": 0, "block_state_chain": 1024, "num_warps_chain": 4,
         "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
         "block_m_scan": None, "block_p_scan": None, "block_p2_scan": None, "block_k_scan": None,
         "block_n_scan": None,
