@@ -10,7 +10,7 @@ multiply-add per element:
   cum))ᵀ · B of one chunk, the same dot (operands, tile, order) as the one-launch kernel's,
   stored in float32 into a [chunks, H, P, N] buffer;
 - `_state_chain_kernel`, grid (cdiv(P·N, BLOCK), H, rows): S = S · exp(cum[L-1]) + loc along the
-  row's chunks for BLOCK elements of one head's state (the next chunk's loc loaded an iteration
+  row's chunks for BLOCK elements of one head's state (each chunk's loc loaded two iterations
   ahead), with everything else the one-launch kernel does: the initial state (copied for launch
   C), each chunk's end state in the state buffer's dtype, the prefix-cache snapshots, the final
   state into the row's slot, and the chunks' start-state sources.
@@ -114,11 +114,14 @@ def _state_chain_kernel(
     clen = tl.load(clen_ptr + cid)
     # a graph bucket's empty padding row has nothing to pass (as in the one-launch kernel)
     nck = tl.where((nck == 1) & (clen == 0), 0, nck)
+    # the loc terms do not depend on the chain: each is loaded two chunks ahead
     loc = tl.load(loc_ptr + (cid * H + h) * PN + e, mask=me & (nck > 0), other=0.0)
+    nxt = tl.load(row_chunks_ptr + r * rc_r + 1, mask=nck > 1, other=0).to(tl.int64)
+    loc_next = tl.load(loc_ptr + (nxt * H + h) * PN + e, mask=me & (nck > 1), other=0.0)
     for i in range(nck):
-        more = i + 1 < nck
-        nxt = tl.load(row_chunks_ptr + r * rc_r + i + 1, mask=more, other=0).to(tl.int64)
-        loc_next = tl.load(loc_ptr + (nxt * H + h) * PN + e, mask=me & more, other=0.0)
+        more2 = i + 2 < nck
+        nxt2 = tl.load(row_chunks_ptr + r * rc_r + i + 2, mask=more2, other=0).to(tl.int64)
+        loc_next2 = tl.load(loc_ptr + (nxt2 * H + h) * PN + e, mask=me & more2, other=0.0)
         tl.store(src_ptr + cid, prev, mask=writer)
         cum_last = tl.load(cum_ptr + (cid * H + h) * L + L - 1)
         if SNAPS:
@@ -131,7 +134,9 @@ def _state_chain_kernel(
                          running.to(ssm_ptr.dtype.element_ty), mask=me)
         prev = cid
         cid = nxt
+        nxt = nxt2
         loc = loc_next
+        loc_next = loc_next2
     tl.store(s_base + s_off, running.to(ssm_ptr.dtype.element_ty), mask=me & valid)
 
 
