@@ -104,3 +104,37 @@ def test_split_state_nemotron9b_bf16_gpu(rows):
     for a, b in zip(split[:2] + (split[2][:-1],), ref[:2] + (ref[2][:-1],)):
         assert one_launch._rel(a, b) < 1e-2, one_launch._rel(a, b)
     torch.testing.assert_close(split[2][-1], st0[-1])
+
+
+SPLIT_SM90_SCRIPT = r'''
+import json
+from mambaserve.ops.triton.ssd_state_split import _chunk_local_state_kernel, _state_chain_kernel
+ptrs = {"x_ptr": "*bf16", "B_ptr": "*bf16", "cti_ptr": "*i64", "dtc_ptr": "*fp32",
+        "cum_ptr": "*fp32", "clen_ptr": "*i32", "loc_ptr": "*fp32", "st_ptr": "*bf16",
+        "src_ptr": "*i64", "ssm_ptr": "*fp32", "slot_ptr": "*i32", "init_ptr": "*i1",
+        "row_chunks_ptr": "*i64", "nchunks_ptr": "*i64", "snap_ptr": "*i64"}
+div = ("x_t", "x_h", "B_t", "B_g", "cti_c", "s_slot", "s_h", "s_p", "H", "P", "N", "PN",
+       "heads_per_group")
+report = {}
+for name, k, const, warps in (
+        ("local", _chunk_local_state_kernel,
+         {"L": 128, "BLOCK_P": 64, "BLOCK_P2": 16, "BLOCK_N": 64, "BLOCK_L": 128, "IP": "tf32",
+          "CONTIG": 1, "x_p": 1, "B_n": 1}, 4),
+        ("chain", _state_chain_kernel, {"L": 128, "BLOCK": 1024, "SNAPS": 1, "s_n": 1}, 4)):
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
+    ptx, spills = sm90(k, sig, const, div, warps, 1)
+    report[name] = {"spill_bytes": spills, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                    "mma": len(re.findall(r"mma\.sync", ptx))}
+print(json.dumps(report))
+'''
+
+
+def test_split_launches_compile_for_sm90():
+    """Offline compile for a Hopper at the 9B shapes and default launch parameters: neither
+    launch spills, and the local launch's dots run on tensor cores."""
+    from offline_ptx import SM90, compile_report, skip_without_triton
+
+    skip_without_triton()
+    r = compile_report(SM90 + SPLIT_SM90_SCRIPT, "launch S in two")
+    assert r["local"]["spill_bytes"] == 0 and r["chain"]["spill_bytes"] == 0, r
+    assert r["local"]["wgmma"] + r["local"]["mma"] > 0, r
