@@ -14,7 +14,7 @@ from mambaserve.ops.triton.ssd_state_split import _state_chain_kernel
 
 require_interpreter(_state_chain_kernel)
 
-SPLIT = {"state_split_chunks": 1}  # every step with a chunk per row or more: always here
+SPLIT = {"state_split_chunks": 1}  # from rows of one chunk: always
 
 
 def _both(rows, **kw):
@@ -76,17 +76,19 @@ def test_split_state_bucket_with_empty_padding_rows(start, n):
 
 
 def test_split_rule():
-    """`state_split_chunks`: two launches from that many chunks per row of the step; 0 never."""
+    """`state_split_chunks`: two launches when the step's longest row (row_chunks' width) has
+    that many chunks or more; 0 never."""
     from mambaserve.ops.triton.ssd import SsdScan
 
-    meta = one_launch._meta([(64, 0, 0, False), (10, 0, 1, False)], 16)  # 4 + 1 chunks, 2 rows
+    meta = one_launch._meta([(40, 0, 0, False), (10, 0, 1, False)], 16)  # 3 + 1 chunks
     pf = meta.prefill
     x, dt, A, B, C, D, dtb, st = one_launch._inputs(meta.num_prefill_tokens, 2, 8, 8, 1, 3,
                                                     torch.float32, torch.Generator(), False)
     args = (x, dt, A, B, C, D, dtb, (0.0, float("inf")), st, pf.state_slots.to(torch.int32),
             pf.has_initial_state, pf.chunk_token_idx, pf.token_chunk_pos, pf.row_chunks,
             pf.row_num_chunks)
-    for chunks, want in ((0, False), (2, True), (3, False)):
+    assert meta.prefill.row_chunks.shape[1] == 3
+    for chunks, want in ((0, False), (3, True), (4, False)):
         with tuning.override("ssd", state_split_chunks=chunks):
             scan = SsdScan(*args)
         assert scan.split_state is want and (scan.loc is not None) is want, chunks

@@ -114,9 +114,10 @@ class SsdScan:
         self.bls = k["block_l_state"] or L
         self.warps_state, self.stages_state = k["num_warps_state"], k["num_stages_state"]
         # launch S in two (ssd_state_split.py: the chunks' local terms in parallel, then a chain
-        # of multiply-adds) when the rows average state_split_chunks chunks or more; 0: never
+        # of multiply-adds) when a row may have state_split_chunks chunks or more (row_chunks'
+        # width: the plan's longest row, or a graph bucket's bound); 0: never
         split_chunks = k["state_split_chunks"]
-        self.split_state = bool(split_chunks) and num_chunks >= split_chunks * R
+        self.split_state = bool(split_chunks) and row_chunks.shape[1] >= split_chunks
         self.block_chain, self.warps_chain = k["block_state_chain"], k["num_warps_chain"]
         prefetch = self.bps2 > 0 and half if k["prefetch_state"] is None else k["prefetch_state"]
         self.prefetch_state = bool(prefetch) and self.contig and self.bls == L

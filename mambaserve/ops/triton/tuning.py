@@ -88,7 +88,8 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # program, past the first (the two must reach P); 0: none.
     # Launch S in two launches (ssd_state_split.py: the chunks' local state terms in parallel on
     # the state tiles above, then block_state_chain elements of a head's state per program along
-    # the row's chunks) when the step has at least state_split_chunks chunks per row; 0: never.
+    # the row's chunks) when a row of the step may have state_split_chunks chunks or more (the
+    # width of row_chunks); 0: never.
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
         "block_p_state": 64, "block_p2_state": None, "block_n_state": None, "block_l_state": None,
