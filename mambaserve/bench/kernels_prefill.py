@@ -26,10 +26,6 @@ from mambaserve.ops.triton import tuning
 CONV_SWEEP = [(16, 512, 4, 0), (16, 512, 4, 2), (8, 512, 4, 4), (32, 512, 4, 4), (16, 256, 2, 4),
               (16, 1024, 8, 4), (16, 1024, 4, 4), (8, 256, 2, 4), (8, 1024, 8, 4), (8, 512, 4, 2),
               (8, 512, 2, 4), (4, 512, 4, 4)]
-# launch S in two (ssd_state_split.py) whatever the chunks per row; its chain's elements per
-# program and warps
-SPLIT = {"state_split_chunks": 1}
-SSD_CHAIN_SWEEP = [(512, 4), (2048, 4), (2048, 8), (1024, 2), (4096, 8)]
 # launch S: (block_p_state, block_n_state, num_warps_state[, block_l_state, num_stages_state]),
 # one row tile per program and no prefetch (the layout before the split default, below);
 # the smaller blocks give one sequence's scan (a grid of heads x blocks) more programs; P blocks
@@ -197,9 +193,7 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
                 launch()
             return scan
 
-        variants = [("triton", {}, 4), ("triton + 2 snapshots", {}, 4),
-                    ("triton state split", SPLIT, 4),
-                    ("triton state split + 2 snapshots", SPLIT, 4)]
+        variants = [("triton", {}, 4), ("triton + 2 snapshots", {}, 4)]
         if sweep:
             for bp, bn, nw, *rest in SSD_STATE_SWEEP:
                 bl, ns = rest or (None, 1)
@@ -214,11 +208,7 @@ def ssd_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool, peer: di
                          for bm, bp, bk, nw, ns in SSD_SCAN_SWEEP]
             if s.P & (s.P - 1):  # the split variants apply to such a head_dim only
                 variants += [(name, knobs, 4) for name, knobs in SSD_SPLIT_SWEEP]
-            variants += [(f"state split chain{bc} w{nw}",
-                          {**SPLIT, "block_state_chain": bc, "num_warps_chain": nw}, 4)
-                         for bc, nw in SSD_CHAIN_SWEEP]
-            variants += [("dt + state", {}, 2), ("dt + state + CB", {}, 3),
-                         ("dt + state split", SPLIT, 2)]
+            variants += [("dt + state", {}, 2), ("dt + state + CB", {}, 3)]
         for name, knobs, n in variants:
             try:
                 with tuning.override("ssd", **knobs):
@@ -274,16 +264,13 @@ def _ssd_cold(h: Harness, shape: str, flops: int, xbc, dt, consts, ssm, args, s)
     per_scan = xbc.numel() * xbc.element_size() * 2  # x / B / C read, y written
     copies = min(16, max(2, -(-4 * l2 // per_scan)))
     A, D, dt_bias, lim = consts
-    for name, knobs in (("triton, cold L2", {}), ("triton state split, cold L2", SPLIT)):
-        scans = []
-        with tuning.override("ssd", **knobs):
-            for _ in range(copies):
-                x, Bm, Cm = _scan_views(xbc.clone(), s)
-                scans.append(SsdScan(x, dt.clone(), A, Bm, Cm, D, dt_bias, lim, ssm.clone(),
-                                     *args, None))
-        us = h.device_us(lambda: [launch() for scan in scans for _, launch in scan.launches])
-        h.row(op="ssd_scan", impl=name, shape=shape, copies=copies,
-              TFLOPs=flops * copies / us / 1e6, device_us=us / copies)
+    scans = []
+    for _ in range(copies):
+        x, Bm, Cm = _scan_views(xbc.clone(), s)
+        scans.append(SsdScan(x, dt.clone(), A, Bm, Cm, D, dt_bias, lim, ssm.clone(), *args, None))
+    us = h.device_us(lambda: [launch() for scan in scans for _, launch in scan.launches])
+    h.row(op="ssd_scan", impl="triton, cold L2", shape=shape, copies=copies,
+          TFLOPs=flops * copies / us / 1e6, device_us=us / copies)
 
 
 def attention_prefill(h: Harness, shapes: list[tuple[int, int]], sweep: bool) -> None:

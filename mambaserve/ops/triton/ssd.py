@@ -22,7 +22,6 @@ from mambaserve.ops.triton.ssd_kernels import (
     _chunk_scan_kernel,
     _chunk_state_passing_kernel,
 )
-from mambaserve.ops.triton.ssd_state_split import launch_state_split
 
 
 def _pow2_at_most(v: int, hi: int) -> int:
@@ -113,12 +112,6 @@ class SsdScan:
                                           else _pow2_at_most(N, 128))
         self.bls = k["block_l_state"] or L
         self.warps_state, self.stages_state = k["num_warps_state"], k["num_stages_state"]
-        # launch S in two (ssd_state_split.py: the chunks' local terms in parallel, then a chain
-        # of multiply-adds) when a row may have state_split_chunks chunks or more (row_chunks'
-        # width: the plan's longest row, or a graph bucket's bound); 0: never
-        split_chunks = k["state_split_chunks"]
-        self.split_state = bool(split_chunks) and row_chunks.shape[1] >= split_chunks
-        self.block_chain, self.warps_chain = k["block_state_chain"], k["num_warps_chain"]
         prefetch = self.bps2 > 0 and half if k["prefetch_state"] is None else k["prefetch_state"]
         self.prefetch_state = bool(prefetch) and self.contig and self.bls == L
         self.bcb = k["block_cb"] or min(L, 64)
@@ -137,8 +130,7 @@ class SsdScan:
                             ("block_l_state", self.bls, L), ("block_cb", self.bcb, L),
                             ("block_k_cb", self.bkcb, None), ("block_m_scan", self.bm, L),
                             ("block_p_scan", self.bpc, None), ("block_k_scan", self.bk, L),
-                            ("block_n_scan", self.bnc, None),
-                            ("block_state_chain", self.block_chain, None)):
+                            ("block_n_scan", self.bnc, None)):
             _check_block(name, v, hi)
         for name, first, second in (("state", self.bps, self.bps2),
                                     ("scan", self.bpc, self.bpc2)):
@@ -166,8 +158,6 @@ class SsdScan:
         self.clen = torch.empty((num_chunks,), dtype=torch.int32, device=dev)
         self.chunk_src = torch.empty((num_chunks,), dtype=torch.int64, device=dev)
         self.cb = torch.empty((num_chunks, G, L, L), **f32)
-        # each chunk's local state term (launch S in two only)
-        self.loc = torch.empty((num_chunks, H, P, N), **f32) if self.split_state else None
 
     @property
     def launches(self) -> tuple[tuple[str, object], ...]:
@@ -193,11 +183,7 @@ class SsdScan:
         )
 
     def launch_state(self) -> None:
-        """S: every chunk's end state, each row's final state into its slot, the snapshots (one
-        launch, or two with `split_state`)."""
-        if self.split_state:
-            launch_state_split(self, self.loc)
-            return
+        """S: every chunk's end state, each row's final state into its slot, the snapshots."""
         x, B, cti, ssm = self.x, self.B, self.chunk_token_idx, self.ssm_state
         P, N = self.P, self.N
         num_pb = 1 if self.bps2 else triton.cdiv(P, self.bps)

@@ -86,15 +86,10 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # block_k_scan None = min(32, L) with two tiles, else 16.
     # block_p2_state / block_p2_scan > 0: a second tile of that many rows / columns in the same
     # program, past the first (the two must reach P); 0: none.
-    # Launch S in two launches (ssd_state_split.py: the chunks' local state terms in parallel on
-    # the state tiles above, then block_state_chain elements of a head's state per program along
-    # the row's chunks) when a row of the step may have state_split_chunks chunks or more (the
-    # width of row_chunks); 0: never.
     "ssd": MappingProxyType({
         "block_h_dt": None, "num_warps_dt": 4,
         "block_p_state": 64, "block_p2_state": None, "block_n_state": None, "block_l_state": None,
         "num_warps_state": 4, "num_stages_state": 1, "prefetch_state": None,
-        "state_split_chunks": 0, "block_state_chain": 1024, "num_warps_chain": 4,
         "block_cb": None, "block_k_cb": None, "num_warps_cb": 4,
         "block_m_scan": None, "block_p_scan": None, "block_p2_scan": None, "block_k_scan": None,
         "block_n_scan": None,
