@@ -111,24 +111,14 @@ def decode(h: Harness, batches: list[int], sweep: bool, peer: dict | None, conv_
                 print(f"vllm conv update {Bt} failed: {type(e).__name__}: {e}", flush=True)
 
 
-# gated RMSNorm launch variants (the default: one token per program and BLOCK // 256 warps, 8 at
-# the 9B's group of 1,280 padded to 2,048): fewer warps (more programs resident per SM), several
-# tokens per program (more bytes in flight per thread)
-NORM_SWEEP = [{"num_warps": 2}, {"num_warps": 4}, {"num_warps": 16}, {"rows": 2},
-              {"rows": 4}, {"rows": 2, "num_warps": 16}, {"rows": 4, "num_warps": 16},
-              {"rows": 8, "num_warps": 16}]
-
-
-def norm_variant_name(knobs: dict) -> str:
-    """The table's name of a NORM_SWEEP variant: `triton w4`, `triton r2`, `triton r4 w16`."""
-    parts = [f"r{knobs['rows']}"] if "rows" in knobs else []
-    parts += [f"w{knobs['num_warps']}"] if "num_warps" in knobs else []
-    return "triton " + " ".join(parts)
+# gated RMSNorm warps per (token, group) program (the default: BLOCK // 256, 8 at the 9B's group
+# of 1,280 padded to 2,048): fewer warps, more programs resident per SM
+NORM_SWEEP = [2, 4, 16]
 
 
 def norm(h: Harness, tokens: list[int], sweep: bool, peer: dict | None) -> None:
     """Gated RMSNorm over tokens x d_inner in groups of d_inner / G (z a strided view); with
-    `sweep` also at each NORM_SWEEP variant."""
+    `sweep` also at each NORM_SWEEP warp count."""
     from mambaserve.ops.gated_rmsnorm import gated_rmsnorm_ref
     from mambaserve.ops.triton.gated_rmsnorm import gated_rmsnorm_triton
 
@@ -140,8 +130,8 @@ def norm(h: Harness, tokens: list[int], sweep: bool, peer: dict | None) -> None:
         w = torch.randn(D_IN, device=dev, dtype=dt_)
         nbytes = 3 * T * D_IN * 2
         ref = gated_rmsnorm_ref(y, z, w, gs, 1e-5)
-        for name, knobs in [("triton", {})] + ([(norm_variant_name(k), k) for k in NORM_SWEEP]
-                                               if sweep else []):
+        for name, knobs in [("triton", {})] + ([(f"triton w{nw}", {"num_warps": nw})
+                                                for nw in NORM_SWEEP] if sweep else []):
             with tuning.override("gated_rmsnorm", **knobs):
                 err = rel(gated_rmsnorm_triton(y, z, w, gs, 1e-5), ref)
                 ms = h.time_ms(lambda: gated_rmsnorm_triton(y, z, w, gs, 1e-5))

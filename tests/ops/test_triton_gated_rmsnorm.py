@@ -8,7 +8,6 @@ import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm_ref, gated_silu_ref
-from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.gated_rmsnorm import (
     _gated_rmsnorm_kernel,
     gated_rmsnorm_triton,
@@ -65,26 +64,6 @@ def test_falcon_variants_differ_from_the_default(variant):
     default = gated_rmsnorm_ref(y, z, w, 16, 1e-5)
     out = gated_rmsnorm_triton(y, z, w, 16, 1e-5, *variant)
     assert not torch.equal(out, default)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("rows", [2, 4])
-def test_gated_rmsnorm_rows_per_program(rows, variant):
-    """Several tokens per program (tuning "rows"): the reference's values, the last program's
-    tokens past T masked (7 tokens); within one ulp of one token per program (on a GPU the
-    float32 sum of squares may add in another order)."""
-    y, z, w = _inputs(7, 96, torch.float16, None, True, 3)
-    one = gated_rmsnorm_triton(y, z, w, 48, 1e-5, *variant)
-    with tuning.override("gated_rmsnorm", rows=rows):
-        _check(7, 96, 48, torch.float16, strided_z=True, seed=3, variant=variant)
-        out = gated_rmsnorm_triton(y, z, w, 48, 1e-5, *variant)
-    torch.testing.assert_close(out.float(), one.float(), rtol=1e-3, atol=1e-3)
-
-
-def test_gated_rmsnorm_rows_must_be_a_power_of_two():
-    y, z, w = _inputs(3, 32, torch.float32, None, False, 4)
-    with tuning.override("gated_rmsnorm", rows=3), pytest.raises(AssertionError, match="rows 3"):
-        gated_rmsnorm_triton(y, z, w, 16, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

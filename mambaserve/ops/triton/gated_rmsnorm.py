@@ -1,9 +1,8 @@
 """Triton kernels of the Mamba2 mixer's output gate: the grouped gated RMSNorm in its three
 variants, and the gate without a norm.
 
-`_gated_rmsnorm_kernel`, grid (tokens / ROWS, groups): one program normalizes one group of
-`group_size` channels of ROWS consecutive tokens (tuning "rows", 1 by default) in float32 (BLOCK =
-next power of two >= group_size, masked), exactly as
+`_gated_rmsnorm_kernel`, grid (tokens, groups): one program normalizes one group of `group_size`
+channels of one token in float32 (BLOCK = next power of two >= group_size, masked), exactly as
 `mambaserve.ops.gated_rmsnorm.gated_rmsnorm_ref` orders the roundings:
 - gate first, weight after the cast (default): h = y·silu(z), normalized, cast to y.dtype, then
   multiplied by the weight in the dtype torch would promote the two to;
@@ -56,36 +55,24 @@ def _gate_and_norm(y, z, w, group_size, eps, AXIS: tl.constexpr, CAST: tl.conste
     return h
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _gated_rmsnorm_kernel(
-    y_ptr, z_ptr, w_ptr, out_ptr, T, group_size, eps,
+    y_ptr, z_ptr, w_ptr, out_ptr, group_size, eps,
     y_t, y_d, z_t, z_d, o_t, o_d,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-    WEIGHT_FP32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, WEIGHT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     await_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * group_size + tl.arange(0, BLOCK)
     m = tl.arange(0, BLOCK) < group_size
+    y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if ROWS == 1:
-        t = tl.program_id(0).to(tl.int64)
-        y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
-        h = _gate_and_norm(y, z, w, group_size, eps, 0, y_ptr.dtype.element_ty,
-                           NORM_BEFORE_GATE, WEIGHT_FP32)
-        tl.store(out_ptr + t * o_t + offs * o_d, h.to(out_ptr.dtype.element_ty), mask=m)
-    else:  # ROWS consecutive tokens' tiles of the group: more bytes in flight per thread
-        t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        mt = (t < T)[:, None] & m[None, :]
-        y = tl.load(y_ptr + t[:, None] * y_t + offs[None, :] * y_d, mask=mt,
-                    other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + t[:, None] * z_t + offs[None, :] * z_d, mask=mt,
-                    other=0.0).to(tl.float32)
-        h = _gate_and_norm(y, z, w[None, :], group_size, eps, 1, y_ptr.dtype.element_ty,
-                           NORM_BEFORE_GATE, WEIGHT_FP32)
-        tl.store(out_ptr + t[:, None] * o_t + offs[None, :] * o_d,
-                 h.to(out_ptr.dtype.element_ty), mask=mt)
+    h = _gate_and_norm(y, z, w, group_size, eps, 0, y_ptr.dtype.element_ty, NORM_BEFORE_GATE,
+                       WEIGHT_FP32)
+    tl.store(out_ptr + t * o_t + offs * o_d, h.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -141,16 +128,13 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
     if T == 0:
         return out
     BLOCK = triton.next_power_of_2(group_size)
-    cfg = tuning.config("gated_rmsnorm", y.device)
-    rows = cfg["rows"]
-    assert rows >= 1 and rows & (rows - 1) == 0, f"gated_rmsnorm rows {rows}: a power of two"
-    num_warps = cfg["num_warps"]
+    num_warps = tuning.config("gated_rmsnorm", y.device)["num_warps"]
     if num_warps is None:
         num_warps = max(1, min(8, BLOCK // 256))
-    grid = (triton.cdiv(T, rows), Dm // group_size)
+    grid = (T, Dm // group_size)
     _gated_rmsnorm_kernel[grid](
-        y, z, weight, out, T, group_size, float(eps),
-        *y.stride(), *z.stride(), *out.stride(), BLOCK=BLOCK, ROWS=rows,
+        y, z, weight, out, group_size, float(eps),
+        *y.stride(), *z.stride(), *out.stride(), BLOCK=BLOCK,
         NORM_BEFORE_GATE=bool(norm_before_gate), WEIGHT_FP32=bool(weight_fp32),
         num_warps=num_warps, **pdl_launch(y.device, _gated_rmsnorm_kernel),
     )

@@ -45,11 +45,10 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # silu(gate) * up: BLOCK channels of one row per program (capped at pow2(I)); not swept
     "silu_mul": MappingProxyType({"block": 2048, "num_warps": 4}),
     # gated RMSNorm: None = max(1, min(8, BLOCK // 256)), BLOCK = next pow2 of the group size;
-    # rows: consecutive tokens per program (a power of two);
     # the whole-row launch that writes FP8 rows: None = min(32, max(4, tile // 512)); up to
     # fp8_unfused_rows rows the per-group norm and the quantization launch run instead (faster
     # there on an H100: docs/kernels.md, "FP8 activation quantization")
-    "gated_rmsnorm": MappingProxyType({"num_warps": None, "rows": 1, "fp8_num_warps": None,
+    "gated_rmsnorm": MappingProxyType({"num_warps": None, "fp8_num_warps": None,
                                        "fp8_unfused_rows": 32}),
     # the gate without a norm (y * silu(z)): BLOCK channels of one token per program (capped at
     # the next power of two of the width); not swept
