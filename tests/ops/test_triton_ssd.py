@@ -131,10 +131,13 @@ ROWS = [(37, 0, 0, False), (5, 10, 3, True), (16, 16, 1, True), (29, 3, 2, True)
         (7, 0, -1, False)]
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "none"])
-def test_ssd_fp32_ragged(snapshots):
+def test_ssd_fp32_ragged(snapshots, prefetch):
+    # prefetch: launch S loads the next chunk's tiles (and, without snapshots, its dt and cumsum)
+    # an iteration ahead
     got, ref, st0 = _run(ROWS, H=4, P=16, N=16, G=2, chunk_size=16, dtype=torch.float32,
-                         snapshots=snapshots)
+                         snapshots=snapshots, prefetch_state=prefetch)
     _close(got, ref, st0, F32_TOL)
 
 

@@ -56,6 +56,15 @@ def _chunk_weights(dtc_ptr, cum_ptr, ch, cum_last, offs_l):
 
 
 @triton.jit
+def _chunk_decay(dtc_ptr, cum_ptr, ch, L: tl.constexpr):
+    """A whole chunk's dt and cumsum(dt·A), and the cumsum's last entry (the state's decay over
+    the chunk): launch S's weights, loaded a chunk ahead (PREFETCH)."""
+    offs_l = tl.arange(0, L)
+    return (tl.load(dtc_ptr + ch + offs_l), tl.load(cum_ptr + ch + offs_l),
+            tl.load(cum_ptr + ch + L - 1))
+
+
+@triton.jit
 def _weighted(x, w):
     """x [columns, positions] times the positions' weights, in x's dtype (a dot operand)."""
     return (x.to(tl.float32) * w[None, :]).to(x.dtype)
@@ -180,6 +189,8 @@ def _chunk_state_passing_kernel(
         if BLOCK_P2 > 0:
             xr2 = _chunk_tile(x_ptr, t0, clen, h * x_h, offs_p2, mp2, x_t, x_p, L, False)
         Br = _chunk_tile(B_ptr, t0, clen, g * B_g, offs_n, mn, B_t, B_n, L, True)
+        if not SNAPS:  # (with snapshots their registers would spill more: loaded in the loop)
+            dtr, cumr, cum_last = _chunk_decay(dtc_ptr, cum_ptr, (cid * H + h) * L, L)
         more = 1 < nck
         cid_n = tl.load(row_chunks_ptr + r * rc_r + 1, mask=more, other=0).to(tl.int64)
         t0_n = tl.load(cti_ptr + cid_n * cti_c, mask=more, other=0)
@@ -187,7 +198,8 @@ def _chunk_state_passing_kernel(
     for i in range(nck):
         tl.store(src_ptr + cid, prev, mask=writer)
         ch = (cid * H + h) * L
-        cum_last = tl.load(cum_ptr + ch + L - 1)
+        if not (PREFETCH and not SNAPS):  # else loaded an iteration ago, with the tiles
+            cum_last = tl.load(cum_ptr + ch + L - 1)
         if SNAPS:  # the chunk's snapshot slot, loaded before the dot hides its latency
             dst = tl.load(snap_ptr + cid)
         if PREFETCH:  # the next chunk's tiles (none past the row: clen_n = 0), then this dot
@@ -195,11 +207,16 @@ def _chunk_state_passing_kernel(
             if BLOCK_P2 > 0:
                 xn2 = _chunk_tile(x_ptr, t0_n, clen_n, h * x_h, offs_p2, mp2, x_t, x_p, L, False)
             Bn = _chunk_tile(B_ptr, t0_n, clen_n, g * B_g, offs_n, mn, B_t, B_n, L, True)
+            if not SNAPS:
+                dtn, cumn, cum_last_n = _chunk_decay(dtc_ptr, cum_ptr, (cid_n * H + h) * L, L)
             more2 = i + 2 < nck
             cid_nn = tl.load(row_chunks_ptr + r * rc_r + i + 2, mask=more2, other=0).to(tl.int64)
             t0_nn = tl.load(cti_ptr + cid_nn * cti_c, mask=more2, other=0)
             clen_nn = tl.load(clen_ptr + cid_nn, mask=more2, other=0)
-            w = _chunk_weights(dtc_ptr, cum_ptr, ch, cum_last, tl.arange(0, L))
+            if SNAPS:
+                w = _chunk_weights(dtc_ptr, cum_ptr, ch, cum_last, tl.arange(0, L))
+            else:
+                w = dtr * tl.exp(cum_last - cumr)  # _chunk_weights' product
             Bm = Br.to(cdt)
             loc = tl.dot(_weighted(xr, w), Bm, input_precision=IP)
             if BLOCK_P2 > 0:
@@ -241,6 +258,8 @@ def _chunk_state_passing_kernel(
         if BLOCK_P2 > 0:
             running2 = running2 * tl.exp(cum_last) + loc2
             tl.store(st_ptr + (cid * H + h) * PN + st_off2, running2.to(st_dt), mask=mpn2)
+        if PREFETCH and not SNAPS:  # the next chunk's dt and cumsum, loaded before its dot
+            dtr, cumr, cum_last = dtn, cumn, cum_last_n
         if SNAPS:  # a prefix-cache snapshot at this chunk's end (a slot's heads are contiguous
             if dst >= 0:  # [P, N]: the state buffer's offsets, no tile of its own)
                 tl.store(ssm_ptr + dst * s_slot + h * s_h + st_off,
