@@ -356,10 +356,13 @@ def _chunk_scan_kernel(
     g = h // heads_per_group
     cdt = x_ptr.dtype.element_ty
     clen = tl.load(clen_ptr + c)
+    # the chunk's first token and start-state source, loaded beside its length rather than after
+    # the branch on it (one L2 round trip fewer before the first dot)
+    t0 = tl.load(cti_ptr + c * cti_c)
+    src = tl.load(src_ptr + c)
     m0 = mb * BLOCK_M
     if m0 < clen:  # row tiles made only of padding store nothing
         ch = (c * H + h) * L
-        t0 = tl.load(cti_ptr + c * cti_c)
         xb = x_ptr + t0 * x_t + h * x_h
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -375,7 +378,6 @@ def _chunk_scan_kernel(
 
         # inter-chunk: exp(cum[l]) * C[l] . S_start[p]; S_start is the previous chunk's end state,
         # the row's initial state (both in st_ptr), or zero (src < 0: skipped)
-        src = tl.load(src_ptr + c)
         if src >= 0:
             s_base = st_ptr + (src * H + h) * P * N
             Cb = C_ptr + t0 * C_t + g * C_g
