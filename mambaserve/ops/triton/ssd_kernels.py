@@ -291,10 +291,10 @@ def _chunk_cb_kernel(
     g = tl.program_id(1)
     c = tl.program_id(2).to(tl.int64)
     clen = tl.load(clen_ptr + c)
+    t0 = tl.load(cti_ptr + c * cti_c)  # beside the length, not after the branch on it
     if i * BLOCK < clen:  # tiles of padding rows are never read
         offs_m = i * BLOCK + tl.arange(0, BLOCK)
         offs_s = j * BLOCK + tl.arange(0, BLOCK)
-        t0 = tl.load(cti_ptr + c * cti_c)
         rows_m = _chunk_rows(cti_ptr, c, cti_c, offs_m, t0, CONTIG)
         rows_s = _chunk_rows(cti_ptr, c, cti_c, offs_s, t0, CONTIG)
         Cb = C_ptr + t0 * C_t + g * C_g
