@@ -50,9 +50,15 @@ def _chunk_rows(cti_ptr, c, cti_c, offs, t0, CONTIG: tl.constexpr):
 
 
 @triton.jit
+def _decay_weights(dt, cum, cum_last):
+    """dt ∘ exp(cum[L-1] - cum): the state update's token weights."""
+    return dt * tl.exp(cum_last - cum)
+
+
+@triton.jit
 def _chunk_weights(dtc_ptr, cum_ptr, ch, cum_last, offs_l):
-    """dt ∘ exp(cum[L-1] - cum) of chunk positions offs_l (the state update's token weights)."""
-    return tl.load(dtc_ptr + ch + offs_l) * tl.exp(cum_last - tl.load(cum_ptr + ch + offs_l))
+    """The weights (`_decay_weights`) of chunk positions offs_l, loaded here."""
+    return _decay_weights(tl.load(dtc_ptr + ch + offs_l), tl.load(cum_ptr + ch + offs_l), cum_last)
 
 
 @triton.jit
@@ -216,7 +222,7 @@ def _chunk_state_passing_kernel(
             if SNAPS:
                 w = _chunk_weights(dtc_ptr, cum_ptr, ch, cum_last, tl.arange(0, L))
             else:
-                w = dtr * tl.exp(cum_last - cumr)  # _chunk_weights' product
+                w = _decay_weights(dtr, cumr, cum_last)
             Bm = Br.to(cdt)
             loc = tl.dot(_weighted(xr, w), Bm, input_precision=IP)
             if BLOCK_P2 > 0:
