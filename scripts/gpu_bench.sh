@@ -4,7 +4,7 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency latency-profile attention-decode prefix-attention gemv gemv-rules
+#         latency targets latency-profile attention-decode prefix-attention gemv gemv-rules
 #         decode-kernels fp8-serve
 #         fp8-sweep fp8-rows fp8-state pdl prefetch dense-attn host sampler
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
@@ -383,6 +383,24 @@ stage_latency() {  # batch-1 TTFT and decode with overlap scheduling on (a strea
             --engine enforce_eager=false,chunked_prefill_size=16384,async_scheduling=true \
             --out "$W/latency_$p.json"
     done
+}
+stage_targets() {  # the single-request latency targets in one pass (overlap on, the 9B preset):
+    # batch-1 TTFT and decode at 32-2,048 tokens (medians of 5 fresh prompts), batch-8 decode at
+    # ~2k context, the follow-up turn (32 / 128 new tokens after 2,048 cached), and 512 / 2,048
+    # fresh tokens with prefix caching on (docs/benchmarks.md "Targets")
+    local eng="enforce_eager=false,async_scheduling=true"
+    run targets-b1 200 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1 --input-len 32,128,512,1024,2048 --output-len 24 --repeats 5 \
+        --engine "$eng" --out "$W/targets_b1.json"
+    run targets-b8 150 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 8 --input-len 2048 --output-len 24 \
+        --engine "$eng,chunked_prefill_size=16384" --out "$W/targets_b8.json"
+    run targets-follow-up 150 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1 --input-len 32,128 --output-len 16 --cached-prefix-len 2048 --repeats 5 \
+        --engine "$eng,enable_prefix_caching=true" --out "$W/targets_follow_up.json"
+    run targets-cache-on 150 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
+        --batch-size 1 --input-len 512,2048 --output-len 24 --repeats 5 \
+        --engine "$eng,enable_prefix_caching=true" --out "$W/targets_cache_on.json"
 }
 stage_host() {  # the host's time per step before its forward starts (bench host), at the 9B
     # preset: lone prompts (TTFT's host part) and steady decode batches, graphs on
