@@ -407,6 +407,10 @@ stage_host() {  # the host's time per step before its forward starts (bench host
     run host-9b 300 $MS bench host --preset $PRESET --device cuda --dtype bfloat16 \
         --input-len 32,128,512,2048 --decode-batch 1,8,64 --repeats 30 \
         --engine enforce_eager=false --out "$W/host_9b.json"
+    # the same lone prompts at lengths no template holds (a server's prompts of varied lengths)
+    run host-9b-new-lengths 300 $MS bench host --preset $PRESET --device cuda --dtype bfloat16 \
+        --input-len 32,128,512,2048 --decode-batch 1 --repeats 20 --new-lengths \
+        --engine enforce_eager=false --out "$W/host_9b_new_lengths.json"
     # what one launch of each kind costs the host (an eager step is ~1,000 of them)
     run host-launch-cost 60 $PY scripts/host_launch_cost.py --out "$W/host_launch_cost.json"
 }

@@ -20,7 +20,10 @@ to `step()` to the forward's first launch is added to the time to first token. W
 
 Scenarios: `prefill N`, the step that runs a lone prompt of N tokens (a new request: TTFT;
 with `--cached-prefix-len P`, a follow-up turn: N new tokens after a P-token history prefilled
-before, untimed, and served by the prefix cache, which is then on);
+before, untimed, and served by the prefix cache, which is then on; with `--new-lengths`, the
+prompts have the lengths N, N-1, N-2, ..., so that no step finds a template of its length
+(engine/prefill_template.py; unless another `--input-len`'s scenario had that length), as a
+server's prompts of varied lengths mostly do not);
 `decode B`, a steady decode step of B running requests (with overlap scheduling the host plans
 it while the device runs the step before, so it must stay below a decode step's device time).
 Each figure is the median over `--repeats` steps after warm-up steps of the same shape; the
@@ -71,6 +74,7 @@ class HostTimeConfig:
     seed: int = 0
     cached_prefix_len: int = 0  # P: each lone prompt follows a P-token history the cache serves
     cprofile: int = 0  # > 0: the timed prefill steps' prefixes under cProfile, this many listed
+    new_lengths: bool = False  # prompt i of a scenario has N - i tokens: no template of its length
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -83,6 +87,10 @@ class HostTimeConfig:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
         if self.cached_prefix_len < 0:
             raise ValueError(f"--cached-prefix-len must be >= 0, got {self.cached_prefix_len}")
+        steps = self.warmup + self.repeats
+        if self.new_lengths and min(self.input_lens, default=steps) < steps:
+            raise ValueError(f"--new-lengths needs every --input-len >= warmup + repeats "
+                             f"({steps}): prompt i has N - i tokens")
         self.device = resolve_device(self.device)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
@@ -90,7 +98,7 @@ class HostTimeConfig:
 
 @dataclass
 class HostTimeResult:
-    scenario: str  # "prefill N" | "decode B"
+    scenario: str  # "prefill N" [" after P"] [" new lengths"] | "decode B"
     path: str  # how the forward ran: prefill graph | decode graph | eager
     us: dict[str, float]  # phase -> median microseconds
     steps: int
@@ -186,7 +194,8 @@ def time_prefill(timer: HostTimer, vocab: int, n: int, c: HostTimeConfig) -> Hos
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     P = c.cached_prefix_len
     for i in range(c.warmup + c.repeats):
-        prompt = random_prompts(vocab, 1, n, c.seed + 7919 * n + i)[0]
+        m = n - i if c.new_lengths else n
+        prompt = random_prompts(vocab, 1, m, c.seed + 7919 * n + i)[0]
         if P:  # a follow-up turn: its history first, untimed (the cache then serves it)
             history = random_prompts(vocab, 1, P, c.seed + 104729 + 7919 * n + i)[0]
             prefill_untimed(eng, [history], f"host-history-{n}-{i}")
@@ -203,7 +212,8 @@ def time_prefill(timer: HostTimer, vocab: int, n: int, c: HostTimeConfig) -> Hos
             samples.append(first)
             cached.append(next(o.num_cached_tokens for o in outs
                                if o.request_id == f"host-prefill-{n}-{i}"))
-    name = f"prefill {n}" + (f" after {P}" if P else "")
+    name = (f"prefill {n}" + (f" after {P}" if P else "")
+            + (" new lengths" if c.new_lengths else ""))
     return HostTimeResult(name, path, _median_us(samples), len(samples), min(cached))
 
 
@@ -314,6 +324,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "start) under cProfile and print its N functions with the most own "
                         "time and the N with the most time inside (the profiler slows the "
                         "host: phases measured with it are not comparable)")
+    p.add_argument("--new-lengths", action="store_true",
+                   help="prompt i of a scenario has N - i tokens: no lone-prompt template of "
+                        "its length exists yet, as for a server's prompts of varied lengths")
     p.add_argument("--out", default=None, help="write the results as a JSON list")
 
 
@@ -322,7 +335,8 @@ def run_cli(a: argparse.Namespace) -> int:
                        input_lens=int_list(a.input_len), decode_batches=int_list(a.decode_batch),
                        repeats=a.repeats, warmup=a.warmup, device=a.device, dtype=a.dtype,
                        engine=parse_settings(a.engine), seed=a.seed,
-                       cached_prefix_len=a.cached_prefix_len, cprofile=a.cprofile)
+                       cached_prefix_len=a.cached_prefix_len, cprofile=a.cprofile,
+                       new_lengths=a.new_lengths)
     results = run_host_time(c)
     if a.out:
         Path(a.out).write_text(json.dumps([asdict(r) for r in results], indent=1))

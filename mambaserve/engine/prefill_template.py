@@ -86,6 +86,10 @@ class SoloTemplates:
         self.chunk_size, self.max_bytes, self.nbytes = chunk_size, max_bytes, 0
         self._by_key: dict[tuple, _Template] = {}
 
+    def __len__(self) -> int:
+        """The templates held (one per lone-prompt key seen while the byte budget lasted)."""
+        return len(self._by_key)
+
     def plan(self, bucket: tuple, batch: Batch, plan_full: Callable[[], HostMetadata],
              pack: Callable[[HostMetadata], tuple[np.ndarray, dict[str, np.ndarray]]]
              ) -> HostMetadata:

@@ -72,6 +72,26 @@ def test_follow_up_turn_after_a_cached_history():
     assert fresh.cached_tokens == 0
 
 
+def test_new_lengths_leave_every_step_without_a_template(tiny_ckpt):
+    """--new-lengths: each lone prompt has a length no step before it had, so each is planned
+    in full and leaves a template of its own; without it the scenario's prompts share one."""
+    from mambaserve import LLM
+    from mambaserve.bench.host_time import HostTimer, time_prefill
+
+    eng = LLM(tiny_ckpt, device="cpu", max_model_len=96, max_num_seqs=2, enforce_eager=False,
+              cuda_graph_max_prefill_tokens=32).engine
+    templates = eng.runner.prefill_graph_runner.templates
+    timer = HostTimer(eng)
+    vocab = eng.model_config.vocab_size
+    for new, n, held in ((True, 24, 4), (False, 20, 5)):
+        c = HostTimeConfig(preset="tiny", input_lens=[n], repeats=3, warmup=1, new_lengths=new)
+        r = time_prefill(timer, vocab, n, c)
+        assert (r.path, r.steps) == ("prefill graph", 3)
+        assert r.scenario == f"prefill {n}" + (" new lengths" if new else "")
+        assert len(templates) == held  # 24, 23, 22, 21; then 20 four times
+    timer.close()
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="exactly one of --model"):
         HostTimeConfig().validate()
@@ -81,6 +101,9 @@ def test_bad_settings_are_named():
         HostTimeConfig(preset="tiny", repeats=0).validate()
     with pytest.raises(ValueError, match="--cached-prefix-len must be >= 0"):
         HostTimeConfig(preset="tiny", cached_prefix_len=-1).validate()
+    with pytest.raises(ValueError, match="--new-lengths needs every --input-len >= warmup"):
+        HostTimeConfig(preset="tiny", input_lens=[8, 40], repeats=6, warmup=3,
+                       new_lengths=True).validate()
 
 
 def test_cli_writes_json(tmp_path, capsys):
