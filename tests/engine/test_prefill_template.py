@@ -151,22 +151,54 @@ def test_lone_prompts_with_the_prefix_cache_through_templates(tiny_ckpt):
     graph.engine.check_integrity()
 
 
+def test_a_fresh_key_is_kept_on_its_second_prompt(graphs):
+    """A fresh prompt of a new key is packed in its bucket's scratch buffer and not kept; the
+    key's second prompt is packed into a buffer of its own, kept as the key's template, which
+    the third takes (the same bytes as the full packing each time)."""
+    from mambaserve.engine.prefill_template import SoloTemplates
+
+    rng = random.Random(5)
+    graphs.templates, saved = SoloTemplates(PS, graphs.scratch_page, graphs.chunk_size), \
+        graphs.templates
+    try:
+        packed = []
+        for i in range(3):
+            batch = Batch([_prompt(rng, 13, True, 0)], [])
+            key, host = graphs.plan(batch)
+            packed.append(host.packed)
+            np.testing.assert_array_equal(graphs.step_bytes(key, host).copy(),
+                                          _full_bytes(graphs, key, batch), err_msg=str(i))
+            assert len(graphs.templates) == (0, 1, 1)[i]
+        assert packed[0] is graphs.buckets[key].scratch[0]  # the first: the scratch buffer
+        assert packed[1] is packed[2] and packed[1] is not packed[0]  # then the template's
+    finally:
+        graphs.templates = saved
+
+
 def test_templates_stop_at_their_byte_budget(graphs):
-    """Past the budget a new key is planned in full (the same bytes), and known keys still hit."""
+    """Past the budget a new key is kept no more: a fresh prompt's bytes are still packed for
+    it directly, a suffix is planned in full (the same bytes either way); known keys still
+    hit."""
     from mambaserve.engine.prefill_template import SoloTemplates
 
     rng = random.Random(4)
     small = SoloTemplates(PS, graphs.scratch_page, graphs.chunk_size, max_bytes=1)
     graphs.templates, saved = small, graphs.templates
     try:
-        first = Batch([_prompt(rng, 16, True, 0)], [])
-        _, host = graphs.plan(first)
+        for _ in range(2):  # a fresh key is kept on its second prompt
+            _, host = graphs.plan(Batch([_prompt(rng, 16, True, 0)], []))
         assert host.packed is not None and small.nbytes > 0  # the first key fits
+        held = small.nbytes
         other = Batch([_prompt(rng, 17, True, 0)], [])
         key, host = graphs.plan(other)
-        assert host.packed is None  # over the budget: planned in full
-        np.testing.assert_array_equal(graphs.step_bytes(key, host),
+        assert host.packed is not None and len(small) == 1 and small.nbytes == held
+        np.testing.assert_array_equal(graphs.step_bytes(key, host).copy(),
                                       _full_bytes(graphs, key, other))
+        suffix = Batch([_prompt(rng, 5, True, 0, start=graphs.chunk_size)], [])
+        key, host = graphs.plan(suffix)
+        assert host.packed is None and len(small) == 1  # over the budget: planned in full
+        np.testing.assert_array_equal(graphs.step_bytes(key, host),
+                                      _full_bytes(graphs, key, suffix))
         again = Batch([_prompt(rng, 16, True, 0)], [])
         key, host = graphs.plan(again)
         assert host.packed is not None
