@@ -48,8 +48,8 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # the whole-row launch that writes FP8 rows: None = min(32, max(4, tile // 512)); up to
     # fp8_unfused_rows rows the per-group norm and the quantization launch run instead (faster
     # there on an H100: docs/kernels.md, "FP8 activation quantization")
-    "gated_rmsnorm": MappingProxyType({"num_warps": None, "fp8_num_warps": None,
-                                       "fp8_unfused_rows": 32}),
+    "gated_rmsnorm": MappingProxyType({"num_warps": None, "split_tiles": False,
+                                       "fp8_num_warps": None, "fp8_unfused_rows": 32}),
     # the gate without a norm (y * silu(z)): BLOCK channels of one token per program (capped at
     # the next power of two of the width); not swept
     "gated_silu": MappingProxyType({"block": 1024, "num_warps": 4}),
