@@ -73,8 +73,9 @@ def test_follow_up_turn_after_a_cached_history():
 
 
 def test_new_lengths_leave_every_step_without_a_template(tiny_ckpt):
-    """--new-lengths: each lone prompt has a length no step before it had, so each is planned
-    in full and leaves a template of its own; without it the scenario's prompts share one."""
+    """--new-lengths: each lone prompt has a length no step before it had, so none finds a
+    template (and a fresh key seen once leaves none: engine/prefill_template.py); without it the
+    scenario's prompts share one, kept from the length's second prompt on."""
     from mambaserve import LLM
     from mambaserve.bench.host_time import HostTimer, time_prefill
 
@@ -83,12 +84,12 @@ def test_new_lengths_leave_every_step_without_a_template(tiny_ckpt):
     templates = eng.runner.prefill_graph_runner.templates
     timer = HostTimer(eng)
     vocab = eng.model_config.vocab_size
-    for new, n, held in ((True, 24, 4), (False, 20, 5)):
+    for new, n, held in ((True, 24, 0), (False, 20, 1)):
         c = HostTimeConfig(preset="tiny", input_lens=[n], repeats=3, warmup=1, new_lengths=new)
         r = time_prefill(timer, vocab, n, c)
         assert (r.path, r.steps) == ("prefill graph", 3)
         assert r.scenario == f"prefill {n}" + (" new lengths" if new else "")
-        assert len(templates) == held  # 24, 23, 22, 21; then 20 four times
+        assert len(templates) == held  # 24, 23, 22, 21 once each; then 20 four times
     timer.close()
 
 
