@@ -103,6 +103,16 @@ class PrefillBucket:
         buf = np.zeros(self.nbytes, np.uint8)
         return buf, self.host_views(buf)
 
+    def zeroed_buffer(self, reuse: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A zeroed host buffer in this bucket's layout and its views: `scratch`, cleared
+        (`reuse`), or a new one of the caller's own."""
+        if reuse:
+            buf, out = self.scratch
+            buf.fill(0)
+            return buf, out
+        buf = np.zeros(self.nbytes, np.uint8)
+        return buf, self.host_views(buf)
+
 
 def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size: int,
                       scratch_page: int, reuse: bool = False) -> np.ndarray:
@@ -130,12 +140,7 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     def ext(e: np.ndarray) -> np.ndarray:  # an eager extended-stream index -> the bucket's
         return np.where(e < Pr * K1, e, e + (P - Pr) * K1)
 
-    if reuse:
-        buf, out = b.scratch
-        buf.fill(0)
-    else:
-        buf = np.zeros(b.nbytes, np.uint8)
-        out = b.host_views(buf)
+    buf, out = b.zeroed_buffer(reuse)
     # ---- tokens: real prefill | padding prefill (from position 0) | real decode | padding ----
     pad_pos = np.arange(n_pad, dtype=np.int64)
     for name in ("input_ids", "positions", "slot_mapping", "token_row"):

@@ -40,12 +40,7 @@ def pack_fresh_row(row: Row, b: PrefillBucket, *, page_size: int, scratch_page: 
     pages = row.pages or [scratch_page]  # (plan_metadata's page table is never empty)
     if len(pages) > b.max_pages:
         raise ValueError(f"a row needs {len(pages)} pages, the graph holds {b.max_pages}")
-    if reuse:
-        buf, out = b.scratch
-        buf.fill(0)
-    else:
-        buf = np.zeros(b.nbytes, np.uint8)
-        out = b.host_views(buf)
+    buf, out = b.zeroed_buffer(reuse)
     n_pad, pad_row, ps = Tp - N, P - 1, page_size
     t, pad_pos = np.arange(N, dtype=np.int64), np.arange(n_pad, dtype=np.int64)
     # ---- tokens: the row's, then the padding row's (positions within the first page) ----------
