@@ -49,7 +49,7 @@ import torch
 from mambaserve.engine.batch import Batch
 from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_graph
 from mambaserve.engine.prefill_bucket import PrefillBucket, bucket_metadata, pack_prefill_step
-from mambaserve.engine.prefill_fresh import pack_fresh_row
+from mambaserve.engine.prefill_lone import pack_lone_row
 from mambaserve.engine.prefill_template import SoloTemplates, fresh_lone_prompt
 from mambaserve.host_upload import copy_into, views
 from mambaserve.metadata import ForwardMetadata, HostMetadata, plan_metadata
@@ -186,8 +186,8 @@ class PrefillGraphRunner:
     def plan(self, batch: Batch) -> tuple[tuple, HostMetadata]:
         """The host side of `load`: the step's bucket and its eager metadata, or for a lone prompt
         (fresh, or a follow-up turn's suffix) a template's stub carrying the packed bytes
-        (engine/prefill_template.py; a fresh prompt of a new length packed for it directly,
-        engine/prefill_fresh.py); under tensor parallelism rank 0 plans once and every rank
+        (engine/prefill_template.py; a prompt of a new length packed for it directly,
+        engine/prefill_lone.py); under tensor parallelism rank 0 plans once and every rank
         loads it with `load_planned`."""
         key = self.bucket_of(batch)
         b, ps, sp = self.buckets[key], self.page_size, self.scratch_page
@@ -196,13 +196,13 @@ class PrefillGraphRunner:
             packed = pack_prefill_step(host, b, page_size=ps, scratch_page=sp)  # its own buffer
             return packed, b.host_views(packed)
 
-        def pack_fresh(own: bool) -> tuple[HostMetadata, dict[str, np.ndarray]]:
-            return pack_fresh_row(batch.prefills[0], b, page_size=ps, scratch_page=sp,
-                                  reuse=not own)
+        def pack_lone(own: bool) -> tuple[HostMetadata, dict[str, np.ndarray]]:
+            return pack_lone_row(batch.prefills[0], b, page_size=ps, scratch_page=sp,
+                                 reuse=not own)
 
         return key, self.templates.plan(key, batch, lambda: plan_metadata(
             batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel, page_size=ps,
-            scratch_page=sp), pack_own, None if b.decodes else pack_fresh)
+            scratch_page=sp), pack_own, None if b.decodes else pack_lone)
 
     def load_planned(self, key: tuple, host: HostMetadata,
                      staged: torch.Tensor | None = None) -> ForwardMetadata:

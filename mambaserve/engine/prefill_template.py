@@ -18,16 +18,16 @@ restores one, the logit positions and the snapshot positions relative to P.
 this prompt (the same bytes the full packing gives: tests/engine/test_prefill_template.py
 compares them on random fresh prompts and follow-up suffixes). The buffer is rewritten by the
 next step of the same key; the runner copies it into the step's upload at once, as it does the
-bucket's scratch buffer. Any other step gets its full plan (`plan_metadata`); a follow-up suffix
-of a key not seen yet is planned and packed in full once and kept as its key's template, up to
-MAX_TEMPLATE_BYTES of buffers. A fresh prompt of a key not seen yet has its bytes computed for it
-directly (engine/prefill_fresh.py), in the bucket's scratch buffer the first time (a key that
-never comes back costs no new memory) and into a buffer kept as the key's template the second.
-So a prompt or suffix length seen before skips the planning and the packing: the first-step
-host time of a fresh lone prompt drops by ~45 % on the project's 2-core CPU machine, by 200–400
-µs on an H100's host, a follow-up suffix's by 340–670 µs on the CPU machine; a fresh prompt of a
-new length pays ~120 µs more than a template hit there instead of ~400 (docs/benchmarks.md, "Host
-time per step").
+bucket's scratch buffer. Any other step gets its full plan (`plan_metadata`). A lone prompt of a
+key not seen yet has its bytes computed for it directly (engine/prefill_lone.py), in the bucket's
+scratch buffer the first time (a key that never comes back costs no new memory) and into a
+buffer kept as the key's template the second, up to MAX_TEMPLATE_BYTES of buffers (in a bucket
+with decode rows, where that packing does not apply, the first time is planned and packed in
+full and kept). So a prompt or suffix length seen before skips the planning and the packing: the
+first-step host time of a fresh lone prompt drops by ~45 % on the project's 2-core CPU machine,
+by 200–400 µs on an H100's host, a follow-up suffix's by 340–670 µs on the CPU machine; a prompt
+of a new length pays ~120 µs more than a template hit there instead of ~400 (docs/benchmarks.md,
+"Host time per step").
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from mambaserve.metadata import HostMetadata
 # table, ~60 KB for a 512-token bucket at max_model_len 4,096, ~0.5 MB for a 2,048-token one at
 # 131,072; past the budget new keys are planned in full, as before any template existed
 MAX_TEMPLATE_BYTES = 64 << 20
-# fresh prompts' keys seen once (a second prompt of the key makes it a template); forgotten all
+# lone prompts' keys seen once (a second prompt of the key makes it a template); forgotten all
 # at once past this many
 MAX_SEEN_KEYS = 4096
 # the bucket's parts a lone prompt's data reaches (everything else is the key's)
@@ -91,7 +91,7 @@ class SoloTemplates:
         self.page_size, self.scratch_page = page_size, scratch_page
         self.chunk_size, self.max_bytes, self.nbytes = chunk_size, max_bytes, 0
         self._by_key: dict[tuple, _Template] = {}
-        self._seen: set[tuple] = set()  # keys of fresh prompts packed once, not yet kept
+        self._seen: set[tuple] = set()  # keys of lone prompts packed once, not yet kept
 
     def __len__(self) -> int:
         """The templates held (one per lone-prompt key seen while the byte budget lasted)."""
@@ -99,24 +99,24 @@ class SoloTemplates:
 
     def plan(self, bucket: tuple, batch: Batch, plan_full: Callable[[], HostMetadata],
              pack: Callable[[HostMetadata], tuple[np.ndarray, dict[str, np.ndarray]]],
-             pack_fresh: Callable[[bool], tuple[HostMetadata, dict[str, np.ndarray]]] | None = None
+             pack_lone: Callable[[bool], tuple[HostMetadata, dict[str, np.ndarray]]] | None = None
              ) -> HostMetadata:
         """The step's host side. A lone prompt of a known key: the key's stub, its bytes written
-        for `batch`. A fresh lone prompt of a new key, where `pack_fresh` is given: its stub,
-        its bytes computed for it directly (engine/prefill_fresh.py; `pack_fresh(True)`: into a
-        buffer of their own, kept as the key's template, on the key's second fresh prompt while
-        the byte budget lasts; `pack_fresh(False)`: the bucket's scratch buffer). Any other
-        step: `plan_full()` (`plan_metadata`), and for a lone prompt of a new key while the
-        budget lasts its bytes packed once (`pack`: into a buffer of their own, with its
-        `host_views`) and kept as the key's template."""
+        for `batch`. A lone prompt of a new key, where `pack_lone` is given (a bucket without
+        decode rows): its stub, its bytes computed for it directly (engine/prefill_lone.py;
+        `pack_lone(True)`: into a buffer of their own, kept as the key's template, on the key's
+        second prompt while the byte budget lasts; `pack_lone(False)`: the bucket's scratch
+        buffer). Any other step: `plan_full()` (`plan_metadata`), and for a lone prompt of a new
+        key while the budget lasts its bytes packed once (`pack`: into a buffer of their own,
+        with its `host_views`) and kept as the key's template."""
         key = solo_key(bucket, batch, self.chunk_size)
         t = None if key is None else self._by_key.get(key)
         if t is None:
             if key is None:
                 return plan_full()
             keep = self.nbytes < self.max_bytes
-            if pack_fresh is not None and fresh_lone_prompt(batch):
-                # a key's first fresh prompt: packed in the bucket's scratch buffer, not kept (a
+            if pack_lone is not None:
+                # a key's first prompt: packed in the bucket's scratch buffer, not kept (a
                 # template's buffer is new memory, whose first writes cost more than the packing
                 # saves); its second: kept
                 keep = keep and key in self._seen
@@ -124,7 +124,7 @@ class SoloTemplates:
                     if len(self._seen) >= MAX_SEEN_KEYS:
                         self._seen.clear()
                     self._seen.add(key)
-                host, views = pack_fresh(keep)
+                host, views = pack_lone(keep)
                 if not keep:
                     return host
                 packed = host.packed
