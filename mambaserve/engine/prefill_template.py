@@ -42,7 +42,8 @@ from mambaserve.metadata import HostMetadata
 
 # host memory for templates per runner (one buffer per key): a bucket's bytes grow with its page
 # table, ~60 KB for a 512-token bucket at max_model_len 4,096, ~0.5 MB for a 2,048-token one at
-# 131,072; past the budget new keys are planned in full, as before any template existed
+# 131,072; past the budget no new key is kept (its prompts are packed in the bucket's scratch
+# buffer, or planned in full in a bucket with decode rows)
 MAX_TEMPLATE_BYTES = 64 << 20
 # lone prompts' keys seen once (a second prompt of the key makes it a template); forgotten all
 # at once past this many
