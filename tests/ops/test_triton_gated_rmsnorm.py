@@ -8,12 +8,10 @@ import torch
 from triton_env import DEV, require_interpreter  # before anything imports triton
 
 from mambaserve.ops.gated_rmsnorm import gated_rmsnorm_ref, gated_silu_ref
-from mambaserve.ops.triton import tuning
 from mambaserve.ops.triton.gated_rmsnorm import (
     _gated_rmsnorm_kernel,
     gated_rmsnorm_triton,
     gated_silu_triton,
-    group_tiles,
 )
 
 require_interpreter(_gated_rmsnorm_kernel)
@@ -47,34 +45,6 @@ def _check(T, Dm, group_size, dtype, w_dtype=None, strided_z=False, seed=0, tol=
 @pytest.mark.parametrize("Dm,gs", [(64, 16), (96, 48), (40, 40)])
 def test_gated_rmsnorm_fp32(Dm, gs, variant):
     _check(5, Dm, gs, torch.float32, strided_z=True, seed=Dm + gs, variant=variant)
-
-
-def test_group_tiles():
-    """Split tiles only where they pad less than one power-of-two tile, and always cover the
-    group: the 9B's 1,280 as 1,024 + 256."""
-    assert group_tiles(1280, True) == (1024, 256)
-    assert group_tiles(1280, False) == (2048, 0)
-    assert group_tiles(1024, True) == (1024, 0)  # a power of two: one tile
-    assert group_tiles(48, True) == (32, 16)
-    assert group_tiles(24, True) == (32, 0)  # 16 + 16 pads as much as 32
-    assert group_tiles(1100, True) == (1024, 128)
-    for gs in range(17, 3000, 37):
-        head, tail = group_tiles(gs, True)
-        assert head + tail >= gs and (tail == 0 or head < gs)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("Dm,gs", [(96, 48), (160, 80), (40, 40)])
-def test_gated_rmsnorm_split_tiles(Dm, gs, variant):
-    """The head + tail launch against the reference, and against the one-tile launch (their
-    float32 sums differ in order only)."""
-    with tuning.override("gated_rmsnorm", split_tiles=True):
-        _check(5, Dm, gs, torch.float32, strided_z=True, seed=Dm + gs, variant=variant)
-        _check(3, Dm, gs, torch.float16, seed=gs, variant=variant)
-        y, z, w = _inputs(4, Dm, torch.float32, None, True, 7)
-        split = gated_rmsnorm_triton(y, z, w, gs, 1e-5, *variant)
-    one = gated_rmsnorm_triton(y, z, w, gs, 1e-5, *variant)
-    torch.testing.assert_close(split, one, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -116,10 +86,8 @@ def test_empty_batches():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split", [False, True])
-def test_gated_rmsnorm_nemotron9b_bf16_gpu(split):
-    with tuning.override("gated_rmsnorm", split_tiles=split):
-        _check(1000, 10240, 1280, torch.bfloat16, strided_z=True, tol=1e-2)
+def test_gated_rmsnorm_nemotron9b_bf16_gpu():
+    _check(1000, 10240, 1280, torch.bfloat16, strided_z=True, tol=1e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -38,19 +38,14 @@ MAX_FP8_ROW_TILE = 16384  # [pow2(groups), pow2(group_size)] elements in registe
 
 
 @triton.jit
-def _gate(y, z, NORM_BEFORE_GATE: tl.constexpr):
-    """float32 tiles y, z -> (h, silu(z)): h the values normalized (y·silu(z), or y norm first)."""
+def _gate_and_norm(y, z, w, group_size, eps, AXIS: tl.constexpr, CAST: tl.constexpr,
+                   NORM_BEFORE_GATE: tl.constexpr, WEIGHT_FP32: tl.constexpr):
+    """float32 tiles y, z, w whose axis AXIS runs over one group's channels (masked lanes 0) ->
+    the float32 values before the one cast to the output dtype (CAST: y's dtype)."""
     gate = z / (1.0 + tl.exp(-z))
     h = y if NORM_BEFORE_GATE else y * gate
-    return h, gate
-
-
-@triton.jit
-def _scale(h, gate, w, rstd, CAST: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-           WEIGHT_FP32: tl.constexpr):
-    """h times its group's 1 / rms (`rstd`), gated and weighted -> the float32 values before the
-    one cast to the output dtype (CAST: y's dtype)."""
-    h = h * rstd
+    var = tl.sum(h * h, axis=AXIS, keep_dims=True) / group_size
+    h = h * (1.0 / tl.sqrt(var + eps))
     if NORM_BEFORE_GATE:
         h = h * w * gate
     elif WEIGHT_FP32:
@@ -61,53 +56,23 @@ def _scale(h, gate, w, rstd, CAST: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
 
 
 @triton.jit
-def _gate_and_norm(y, z, w, group_size, eps, AXIS: tl.constexpr, CAST: tl.constexpr,
-                   NORM_BEFORE_GATE: tl.constexpr, WEIGHT_FP32: tl.constexpr):
-    """float32 tiles y, z, w whose axis AXIS runs over one group's channels (masked lanes 0) ->
-    the float32 values before the one cast to the output dtype (CAST: y's dtype)."""
-    h, gate = _gate(y, z, NORM_BEFORE_GATE)
-    var = tl.sum(h * h, axis=AXIS, keep_dims=True) / group_size
-    return _scale(h, gate, w, 1.0 / tl.sqrt(var + eps), CAST, NORM_BEFORE_GATE, WEIGHT_FP32)
-
-
-@triton.jit
 def _gated_rmsnorm_kernel(
     y_ptr, z_ptr, w_ptr, out_ptr, group_size, eps,
     y_t, y_d, z_t, z_d, o_t, o_d,
-    BLOCK: tl.constexpr, TAIL: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-    WEIGHT_FP32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, WEIGHT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    if TAIL == 0:  # one tile of BLOCK >= group_size channels, masked past the group
-        offs = g * group_size + tl.arange(0, BLOCK)
-        m = tl.arange(0, BLOCK) < group_size
-        y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        h = _gate_and_norm(y, z, w, group_size, eps, 0, y_ptr.dtype.element_ty,
-                           NORM_BEFORE_GATE, WEIGHT_FP32)
-        tl.store(out_ptr + t * o_t + offs * o_d, h.to(out_ptr.dtype.element_ty), mask=m)
-    else:  # a full head tile of BLOCK channels and a tail tile of the rest (masked past it)
-        a = g * group_size + tl.arange(0, BLOCK)
-        b = g * group_size + BLOCK + tl.arange(0, TAIL)
-        mb = tl.arange(0, TAIL) < group_size - BLOCK
-        ya = tl.load(y_ptr + t * y_t + a * y_d).to(tl.float32)
-        za = tl.load(z_ptr + t * z_t + a * z_d).to(tl.float32)
-        yb = tl.load(y_ptr + t * y_t + b * y_d, mask=mb, other=0.0).to(tl.float32)
-        zb = tl.load(z_ptr + t * z_t + b * z_d, mask=mb, other=0.0).to(tl.float32)
-        ha, gate_a = _gate(ya, za, NORM_BEFORE_GATE)
-        hb, gate_b = _gate(yb, zb, NORM_BEFORE_GATE)
-        var = (tl.sum(ha * ha, axis=0) + tl.sum(hb * hb, axis=0)) / group_size
-        rstd = 1.0 / tl.sqrt(var + eps)
-        wa = tl.load(w_ptr + a).to(tl.float32)
-        wb = tl.load(w_ptr + b, mask=mb, other=0.0).to(tl.float32)
-        cast = y_ptr.dtype.element_ty
-        oa = _scale(ha, gate_a, wa, rstd, cast, NORM_BEFORE_GATE, WEIGHT_FP32)
-        ob = _scale(hb, gate_b, wb, rstd, cast, NORM_BEFORE_GATE, WEIGHT_FP32)
-        tl.store(out_ptr + t * o_t + a * o_d, oa.to(out_ptr.dtype.element_ty))
-        tl.store(out_ptr + t * o_t + b * o_d, ob.to(out_ptr.dtype.element_ty), mask=mb)
+    offs = g * group_size + tl.arange(0, BLOCK)
+    m = tl.arange(0, BLOCK) < group_size
+    y = tl.load(y_ptr + t * y_t + offs * y_d, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * z_t + offs * z_d, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    h = _gate_and_norm(y, z, w, group_size, eps, 0, y_ptr.dtype.element_ty, NORM_BEFORE_GATE,
+                       WEIGHT_FP32)
+    tl.store(out_ptr + t * o_t + offs * o_d, h.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -162,31 +127,18 @@ def gated_rmsnorm_triton(y, z, weight, group_size, eps, norm_before_gate=False,
     out = _output(out, (T, Dm), out_dtype, y.device)
     if T == 0:
         return out
-    cfg = tuning.config("gated_rmsnorm", y.device)
-    BLOCK, TAIL = group_tiles(group_size, cfg["split_tiles"])
-    num_warps = cfg["num_warps"]
+    BLOCK = triton.next_power_of_2(group_size)
+    num_warps = tuning.config("gated_rmsnorm", y.device)["num_warps"]
     if num_warps is None:
-        num_warps = max(1, min(8, triton.next_power_of_2(group_size) // 256))
+        num_warps = max(1, min(8, BLOCK // 256))
     grid = (T, Dm // group_size)
     _gated_rmsnorm_kernel[grid](
         y, z, weight, out, group_size, float(eps),
-        *y.stride(), *z.stride(), *out.stride(), BLOCK=BLOCK, TAIL=TAIL,
+        *y.stride(), *z.stride(), *out.stride(), BLOCK=BLOCK,
         NORM_BEFORE_GATE=bool(norm_before_gate), WEIGHT_FP32=bool(weight_fp32),
         num_warps=num_warps, **pdl_launch(y.device, _gated_rmsnorm_kernel),
     )
     return out
-
-
-def group_tiles(group_size: int, split: bool) -> tuple[int, int]:
-    """The per-group launch's tiles (BLOCK, TAIL): one tile of the next power of two (TAIL 0),
-    or with `split` where it pads less, a full tile of the largest power of two below the group
-    size and a tail tile of the rest rounded up (1,280 -> 1,024 + 256, no masked lanes)."""
-    one = triton.next_power_of_2(group_size)
-    if not split or one == group_size:
-        return one, 0
-    head = one // 2
-    tail = max(16, triton.next_power_of_2(group_size - head))
-    return (head, tail) if head + tail < one else (one, 0)
 
 
 def fp8_row_launch(rows: int, num_channels: int, group_size: int, device) -> bool:

@@ -45,14 +45,11 @@ SM90: Mapping[str, Mapping[str, object]] = MappingProxyType({
     # silu(gate) * up: BLOCK channels of one row per program (capped at pow2(I)); not swept
     "silu_mul": MappingProxyType({"block": 2048, "num_warps": 4}),
     # gated RMSNorm: None = max(1, min(8, BLOCK // 256)), BLOCK = next pow2 of the group size;
-    # split_tiles: a group that is not a power of two as a full head tile and a masked tail tile
-    # where they pad less than one tile (`group_tiles`: 1,280 = 1,024 + 256), off (within 1 % on
-    # an H100, the H200 not yet swept: docs/kernels.md, "Gated RMSNorm"); the whole-row launch
-    # that writes FP8 rows: None = min(32, max(4, tile // 512)); up to fp8_unfused_rows rows the
-    # per-group norm and the quantization launch run instead (faster there on an H100:
-    # docs/kernels.md, "FP8 activation quantization")
-    "gated_rmsnorm": MappingProxyType({"num_warps": None, "split_tiles": False,
-                                       "fp8_num_warps": None, "fp8_unfused_rows": 32}),
+    # the whole-row launch that writes FP8 rows: None = min(32, max(4, tile // 512)); up to
+    # fp8_unfused_rows rows the per-group norm and the quantization launch run instead (faster
+    # there on an H100: docs/kernels.md, "FP8 activation quantization")
+    "gated_rmsnorm": MappingProxyType({"num_warps": None, "fp8_num_warps": None,
+                                       "fp8_unfused_rows": 32}),
     # the gate without a norm (y * silu(z)): BLOCK channels of one token per program (capped at
     # the next power of two of the width); not swept
     "gated_silu": MappingProxyType({"block": 1024, "num_warps": 4}),
