@@ -192,17 +192,13 @@ class PrefillGraphRunner:
         key = self.bucket_of(batch)
         b, ps, sp = self.buckets[key], self.page_size, self.scratch_page
 
-        def pack_own(host: HostMetadata) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-            packed = pack_prefill_step(host, b, page_size=ps, scratch_page=sp)  # its own buffer
-            return packed, b.host_views(packed)
-
         def pack_lone(own: bool) -> tuple[HostMetadata, dict[str, np.ndarray]]:
             return pack_lone_row(batch.prefills[0], b, page_size=ps, scratch_page=sp,
                                  reuse=not own)
 
         return key, self.templates.plan(key, batch, lambda: plan_metadata(
             batch, chunk_size=self.chunk_size, conv_kernel=self.conv_kernel, page_size=ps,
-            scratch_page=sp), pack_own, None if b.decodes else pack_lone)
+            scratch_page=sp), pack_lone)
 
     def load_planned(self, key: tuple, host: HostMetadata,
                      staged: torch.Tensor | None = None) -> ForwardMetadata:

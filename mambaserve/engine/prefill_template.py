@@ -21,9 +21,9 @@ next step of the same key; the runner copies it into the step's upload at once, 
 bucket's scratch buffer. Any other step gets its full plan (`plan_metadata`). A lone prompt of a
 key not seen yet has its bytes computed for it directly (engine/prefill_lone.py), in the bucket's
 scratch buffer the first time (a key that never comes back costs no new memory) and into a
-buffer kept as the key's template the second, up to MAX_TEMPLATE_BYTES of buffers (in a bucket
-with decode rows, where that packing does not apply, the first time is planned and packed in
-full and kept). So a prompt or suffix length seen before skips the planning and the packing: the
+buffer kept as the key's template the second, up to MAX_TEMPLATE_BYTES of buffers (a lone
+prompt's bucket is one without decode rows: `prefill_graph.decode_buckets` starts at 0). So a
+prompt or suffix length seen before skips the planning and the packing: the
 first-step host time of a fresh lone prompt drops by ~45 % on the project's 2-core CPU machine,
 by 200–400 µs on an H100's host, a follow-up suffix's by 340–670 µs on the CPU machine; a prompt
 of a new length pays ~120 µs more than a template hit there instead of ~400 (docs/benchmarks.md,
@@ -33,7 +33,7 @@ of a new length pays ~120 µs more than a template hit there instead of ~400 (do
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from mambaserve.metadata import HostMetadata
 # host memory for templates per runner (one buffer per key): a bucket's bytes grow with its page
 # table, ~60 KB for a 512-token bucket at max_model_len 4,096, ~0.5 MB for a 2,048-token one at
 # 131,072; past the budget no new key is kept (its prompts are packed in the bucket's scratch
-# buffer, or planned in full in a bucket with decode rows)
+# buffer)
 MAX_TEMPLATE_BYTES = 64 << 20
 # lone prompts' keys seen once (a second prompt of the key makes it a template); forgotten all
 # at once past this many
@@ -99,42 +99,31 @@ class SoloTemplates:
         return len(self._by_key)
 
     def plan(self, bucket: tuple, batch: Batch, plan_full: Callable[[], HostMetadata],
-             pack: Callable[[HostMetadata], tuple[np.ndarray, dict[str, np.ndarray]]],
-             pack_lone: Callable[[bool], tuple[HostMetadata, dict[str, np.ndarray]]] | None = None
+             pack_lone: Callable[[bool], tuple[HostMetadata, dict[str, np.ndarray]]]
              ) -> HostMetadata:
         """The step's host side. A lone prompt of a known key: the key's stub, its bytes written
-        for `batch`. A lone prompt of a new key, where `pack_lone` is given (a bucket without
-        decode rows): its stub, its bytes computed for it directly (engine/prefill_lone.py;
-        `pack_lone(True)`: into a buffer of their own, kept as the key's template, on the key's
-        second prompt while the byte budget lasts; `pack_lone(False)`: the bucket's scratch
-        buffer). Any other step: `plan_full()` (`plan_metadata`), and for a lone prompt of a new
-        key while the budget lasts its bytes packed once (`pack`: into a buffer of their own,
-        with its `host_views`) and kept as the key's template."""
+        for `batch`. A lone prompt of a new key: its stub, its bytes computed for it directly
+        (`pack_lone`, engine/prefill_lone.py: `pack_lone(True)` into a buffer of their own, kept
+        as the key's template, on the key's second prompt while the byte budget lasts,
+        `pack_lone(False)` in the bucket's scratch buffer). Any other step: `plan_full()`
+        (`plan_metadata`)."""
         key = solo_key(bucket, batch, self.chunk_size)
-        t = None if key is None else self._by_key.get(key)
+        if key is None:
+            return plan_full()
+        t = self._by_key.get(key)
         if t is None:
-            if key is None:
-                return plan_full()
-            keep = self.nbytes < self.max_bytes
-            if pack_lone is not None:
-                # a key's first prompt: packed in the bucket's scratch buffer, not kept (a
-                # template's buffer is new memory, whose first writes cost more than the packing
-                # saves); its second: kept
-                keep = keep and key in self._seen
-                if not keep:
-                    if len(self._seen) >= MAX_SEEN_KEYS:
-                        self._seen.clear()
-                    self._seen.add(key)
-                host, views = pack_lone(keep)
-                if not keep:
-                    return host
-                packed = host.packed
-            else:
-                host = plan_full()
-                if not keep:
-                    return host
-                packed, views = pack(host)
-            t = self._remember(key, host, packed, views, batch.prefills[0])
+            # a key's first prompt: packed in the bucket's scratch buffer, not kept (a
+            # template's buffer is new memory, whose first writes cost more than the packing
+            # saves); its second: kept
+            keep = self.nbytes < self.max_bytes and key in self._seen
+            if not keep:
+                if len(self._seen) >= MAX_SEEN_KEYS:
+                    self._seen.clear()
+                self._seen.add(key)
+            host, views = pack_lone(keep)
+            if not keep:
+                return host
+            t = self._remember(key, host, views, batch.prefills[0])
             self.nbytes += t.host.packed.nbytes
             return t.host  # (its bytes are this step's already)
         r, v = batch.prefills[0], t.views
@@ -154,17 +143,15 @@ class SoloTemplates:
             v["chunk_snap_dst"][t.snap_chunk[i]] = dst
         return t.host
 
-    def _remember(self, key: tuple, host: HostMetadata, packed: np.ndarray,
-                  bucket_views: dict[str, np.ndarray], row: Row) -> _Template:
-        # the stub keeps the step's host ints; a replay reads none that depend on the prompt
-        # (the key fixes the logit rows and the restore count; row_spans are an eager step's)
-        stub = replace(host, arrays={"logits_idx": host.arrays["logits_idx"]}, packed=packed,
-                       row_spans=())
+    def _remember(self, key: tuple, host: HostMetadata, bucket_views: dict[str, np.ndarray],
+                  row: Row) -> _Template:
+        # `host` (pack_lone's stub) is kept as it is: a replay reads none of its host ints that
+        # depend on the prompt (the key fixes the logit rows and the restore count)
         # the chunk whose end each snapshot saves: the row's chunks are cut at absolute
         # multiples of the chunk size (metadata.py), its first one at its first token
         L, off = self.chunk_size, row.start % self.chunk_size
         snap_chunk = np.array([(off + pos - row.start - 1) // L for pos, _ in row.snapshots],
                               dtype=np.int64)
-        t = self._by_key[key] = _Template(stub, {n: bucket_views[n] for n in PATCHED},
+        t = self._by_key[key] = _Template(host, {n: bucket_views[n] for n in PATCHED},
                                           np.arange(row.num_tokens, dtype=np.int64), snap_chunk)
         return t
