@@ -130,7 +130,7 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
         raise ValueError(f"step of {Pr} prefill rows / {Tr} tokens, {Dr} decode rows, {Cr} "
                          f"chunks, {z.num_prefill_snapshots} snapshots does not fit {b}")
     a = z.arrays
-    n_pad, pad_row = Tp - Tr, P - 1
+    n_pad = Tp - Tr
     dec = slice(Tp, Tp + Dr)  # the real decode tokens / rows in the bucket
     ps, scratch = page_size, scratch_page
 
@@ -141,17 +141,12 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
         return np.where(e < Pr * K1, e, e + (P - Pr) * K1)
 
     buf, out = b.zeroed_buffer(reuse)
+    write_prefill_padding(out, b, Pr, Tr, Cr, page_size=ps, scratch_page=scratch)
     # ---- tokens: real prefill | padding prefill (from position 0) | real decode | padding ----
-    pad_pos = np.arange(n_pad, dtype=np.int64)
     for name in ("input_ids", "positions", "slot_mapping", "token_row"):
         eager, o = get(name), out[name]
         o[:Tr], o[dec] = eager[:Tr], eager[Tr:]
-    # positions within the first page: the padding row's attention reads page-table column 0
-    # only (a position past max_model_len would index past its page-table row)
-    out["positions"][Tr:Tp] = pad_pos % ps
-    out["slot_mapping"][Tr:Tp] = scratch * ps + pad_pos % ps
     out["slot_mapping"][Tp + Dr:] = scratch * ps
-    out["token_row"][Tr:Tp] = pad_row
     out["token_row"][Tp:] = P + np.arange(D)
     # ---- rows: real prefill | padding prefill | real decode | padding decode ------------------
     slots, table = out["state_slots"], out["page_table"]
@@ -170,24 +165,51 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     # ---- prefill rows: conv windows, the SSD chunk grid, snapshots, restores -----------------
     out["has_initial_state"][:Pr] = a.get("has_initial_state", np.zeros(0, np.bool_))
     out["conv_window_idx"][:Tr] = ext(get("conv_window_idx", (0, K1 + 1)))
-    u = pad_pos[:, None] + np.arange(K1 + 1)  # the padding row's windows
-    out["conv_window_idx"][Tr:] = np.where(u < K1, pad_row * K1 + u, P * K1 + Tr + u - K1)
     out["conv_state_idx"][:Pr] = ext(get("conv_state_idx", (0, K1)))
+    eager_cti = get("chunk_token_idx", (0, L))
+    out["chunk_token_idx"][:Cr] = np.where(eager_cti == Tr, Tp, eager_cti)
+    out["token_chunk_pos"][:Tr] = get("token_chunk_pos")
+    eager_rc = get("row_chunks", (0, 0))
+    out["row_chunks"][:Pr, : eager_rc.shape[1]] = np.where(eager_rc == Cr, C, eager_rc)
+    out["row_num_chunks"][:Pr] = get("row_num_chunks")
+    Sr = len(get("snap_dst"))
+    out["snap_conv_idx"][:Sr] = ext(get("snap_conv_idx", (0, K1)))
+    out["snap_dst"][:] = -1
+    out["snap_dst"][:Sr] = get("snap_dst")
+    out["chunk_snap_dst"][:] = -1  # padding chunks: none
+    out["chunk_snap_dst"][:Cr] = get("chunk_snap_dst")
+    n_res = len(get("restore_src"))  # padding entries are never read (sliced to n_res)
+    out["restore_src"][:n_res], out["restore_dst"][:n_res] = get("restore_src"), \
+        get("restore_dst")
+    return buf
+
+
+def write_prefill_padding(out: dict[str, np.ndarray], b: PrefillBucket, Pr: int, Tr: int,
+                          Cr: int, *, page_size: int, scratch_page: int) -> None:
+    """The padding around a step's Pr real prefill rows of Tr tokens and Cr chunks, in the
+    bucket's views `out` (engine/prefill_graph.py's docstring): the padding tokens (from position
+    0 of the scratch page), their row's conv windows, every padding row's conv state, and the
+    chunk grid past the real rows' (its other entries filled with the padding values Tp / C, which
+    the real rows' then overwrite)."""
+    P, Tp, C, L, K1 = b.rows, b.tokens, b.chunks, b.chunk_size, b.conv_kernel - 1
+    n_pad, pad_row, ps = Tp - Tr, P - 1, page_size
+    pad_pos = np.arange(n_pad, dtype=np.int64)
+    # positions within the first page: the padding row's attention reads page-table column 0
+    # only (a position past max_model_len would index past its page-table row)
+    out["positions"][Tr:Tp] = pad_pos % ps
+    out["slot_mapping"][Tr:Tp] = scratch_page * ps + pad_pos % ps
+    out["token_row"][Tr:Tp] = pad_row
+    u = pad_pos[:, None] + np.arange(K1 + 1)  # the padding row's windows
+    out["conv_window_idx"][Tr:Tp] = np.where(u < K1, pad_row * K1 + u, P * K1 + Tr + u - K1)
     # padding rows keep their (scratch) window: u < K1 of their own saved inputs; the last
     # row's ends at n_pad, inside the padding tokens from u = K1 on
     pad_rows = np.arange(Pr, P, dtype=np.int64)[:, None]
     u = np.where(pad_rows == pad_row, n_pad, 0) + np.arange(K1)
     out["conv_state_idx"][Pr:] = np.where(u < K1, pad_rows * K1 + u, P * K1 + Tr + u - K1)
     cti, tcp = out["chunk_token_idx"], out["token_chunk_pos"]
-    cti[:] = Tp
-    eager_cti = get("chunk_token_idx", (0, L))
-    cti[:Cr] = np.where(eager_cti == Tr, Tp, eager_cti)
-    tcp[:Tr] = get("token_chunk_pos")
     rc, rnc = out["row_chunks"], out["row_num_chunks"]
+    cti[:] = Tp
     rc[:] = C
-    eager_rc = get("row_chunks", (0, 0))
-    rc[:Pr, : eager_rc.shape[1]] = np.where(eager_rc == Cr, C, eager_rc)
-    rnc[:Pr] = get("row_num_chunks")
     # padding rows: one empty chunk each but the last, whose tokens fill aligned chunks
     empty = P - 1 - Pr
     rc[Pr:pad_row, 0] = np.arange(Cr, Cr + empty)
@@ -199,16 +221,6 @@ def pack_prefill_step(host: HostMetadata | None, b: PrefillBucket, *, page_size:
     rnc[pad_row] = k
     cti.reshape(-1)[c * L: c * L + n_pad] = np.arange(Tr, Tp)
     tcp[Tr:] = c * L + pad_pos
-    Sr = len(get("snap_dst"))
-    out["snap_conv_idx"][:Sr] = ext(get("snap_conv_idx", (0, K1)))
-    out["snap_dst"][:] = -1
-    out["snap_dst"][:Sr] = get("snap_dst")
-    out["chunk_snap_dst"][:] = -1  # padding chunks: none
-    out["chunk_snap_dst"][:Cr] = get("chunk_snap_dst")
-    n_res = len(get("restore_src"))  # padding entries are never read (sliced to n_res)
-    out["restore_src"][:n_res], out["restore_dst"][:n_res] = get("restore_src"), \
-        get("restore_dst")
-    return buf
 
 
 def bucket_metadata(parts: dict[str, torch.Tensor], b: PrefillBucket, *,

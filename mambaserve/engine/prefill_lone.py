@@ -10,9 +10,9 @@ K1 saved inputs, then its tokens); its chunks cut at absolute multiples of L, th
 first token (token t at chunk position t while in the first chunk, t + s mod L after); a snapshot
 at position p saving chunk (p - 1) // L - s // L and the conv inputs p - s .. p - s + K1 - 1; a
 restore into the row's state slot. `pack_lone_row` writes those into the bucket's layout with
-the padding `pack_prefill_step` puts around a step, so a length seen for the first time skips
-the general planning and packing (the same bytes: tests/engine/test_prefill_lone.py compares
-them on random prompts, suffixes and buckets).
+the padding `pack_prefill_step` puts around a step (`write_prefill_padding`, shared), so a length
+seen for the first time skips the general planning and packing (the same bytes:
+tests/engine/test_prefill_lone.py compares them on random prompts, suffixes and buckets).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from mambaserve.engine.batch import Row
-from mambaserve.engine.prefill_bucket import PrefillBucket
+from mambaserve.engine.prefill_bucket import PrefillBucket, write_prefill_padding
 from mambaserve.metadata import HostMetadata
 
 
@@ -43,17 +43,14 @@ def pack_lone_row(row: Row, b: PrefillBucket, *, page_size: int, scratch_page: i
     if len(pages) > b.max_pages:
         raise ValueError(f"a row needs {len(pages)} pages, the graph holds {b.max_pages}")
     buf, out = b.zeroed_buffer(reuse)
-    n_pad, pad_row, ps = Tp - N, P - 1, page_size
-    t, pad_pos = np.arange(N, dtype=np.int64), np.arange(n_pad, dtype=np.int64)
-    # ---- tokens: the row's, then the padding row's (positions within the first page) ----------
+    write_prefill_padding(out, b, 1, N, Cr, page_size=page_size, scratch_page=scratch_page)
+    ps, t = page_size, np.arange(N, dtype=np.int64)
+    # ---- tokens --------------------------------------------------------------------------------
     out["input_ids"][:N] = row.token_array()
     pos = t + s
     out["positions"][:N] = pos
-    out["positions"][N:] = pad_pos % ps
     page_of, offset = np.divmod(pos, ps)
     out["slot_mapping"][:N] = np.array(pages, dtype=np.int64)[page_of] * ps + offset
-    out["slot_mapping"][N:] = scratch_page * ps + pad_pos % ps
-    out["token_row"][N:] = pad_row
     # ---- rows ----------------------------------------------------------------------------------
     out["state_slots"][:] = -1
     out["state_slots"][0] = row.state_slot
@@ -73,35 +70,16 @@ def pack_lone_row(row: Row, b: PrefillBucket, *, page_size: int, scratch_page: i
 
     taps = np.arange(K1 + 1, dtype=np.int64)
     out["conv_window_idx"][:N] = ext(t[:, None] + taps)
-    u = pad_pos[:, None] + taps  # the padding row's windows
-    out["conv_window_idx"][N:] = np.where(u < K1, pad_row * K1 + u, P * K1 + N + u - K1)
     out["conv_state_idx"][0] = ext(N + taps[:K1])
-    pad_rows = np.arange(1, P, dtype=np.int64)[:, None]
-    u = np.where(pad_rows == pad_row, n_pad, 0) + taps[:K1]
-    out["conv_state_idx"][1:] = np.where(u < K1, pad_rows * K1 + u, P * K1 + N + u - K1)
-    # ---- the SSD chunk grid: the row's Cr chunks (its first holds the tokens before the next
-    # multiple of L, from the chunk's start), an empty chunk per empty padding row, the padding
-    # row's tokens in aligned chunks ----------------------------------------------------------
-    cti, tcp = out["chunk_token_idx"].reshape(-1), out["token_chunk_pos"]
-    cti[:] = Tp
+    # ---- the SSD chunk grid: the row's Cr chunks, its first holding the tokens before the next
+    # multiple of L from the chunk's start ----------------------------------------------------
+    tcp = out["token_chunk_pos"]
     first = min(N, L - off)  # the tokens of the row's first chunk
     tcp[:first] = t[:first]
     tcp[first:N] = t[first:] + off
-    cti[tcp[:N]] = t
-    rc, rnc = out["row_chunks"], out["row_num_chunks"]
-    rc[:] = C
-    rc[0, :Cr] = np.arange(Cr, dtype=np.int64)
-    rnc[0] = Cr
-    empty = P - 2
-    rc[1:pad_row, 0] = np.arange(Cr, Cr + empty, dtype=np.int64)
-    rnc[1:pad_row] = 1
-    c = Cr + empty
-    k = max(1, -(-n_pad // L))
-    assert c + k <= C, (c + k, C)
-    rc[pad_row, :k] = np.arange(c, c + k, dtype=np.int64)
-    rnc[pad_row] = k
-    cti[c * L: c * L + n_pad] = np.arange(N, Tp, dtype=np.int64)
-    tcp[N:] = c * L + pad_pos
+    out["chunk_token_idx"].reshape(-1)[tcp[:N]] = t
+    out["row_chunks"][0, :Cr] = np.arange(Cr, dtype=np.int64)
+    out["row_num_chunks"][0] = Cr
     # ---- prefix-cache snapshots: chunk ends inside the row, or its last token ----------------
     out["snap_dst"][:] = -1
     out["chunk_snap_dst"][:] = -1
