@@ -8,7 +8,11 @@
 At batch 1 nothing else runs while the host plans a step, so every microsecond from the call
 to `step()` to the forward's first launch is added to the time to first token. What is timed
 (the runner's step sections, engine/runner.py):
-- `schedule`: from `step()` to the start of planning (scheduling, the engine's bookkeeping);
+- `schedule`: from `step()` to the runner's start on the step (scheduling, the engine's
+  bookkeeping);
+- `start`: from `step()` until the device has the step's first work: the end of the head's
+  launch where a prefill-only step started its head before planning (engine/prefill_graph.py,
+  "Head start"), else the forward's start (`prefix`);
 - `plan`: the sampling plan and the forward's metadata (`plan_metadata`, a decode graph's
   packed inputs);
 - `upload`: a prefill graph's bucket packing, the step's one host-to-device copy, the typed
@@ -56,7 +60,7 @@ from mambaserve.bench.one_batch import int_list, parse_settings
 from mambaserve.bench.one_batch_backends import prefill_untimed, random_prompts
 from mambaserve.config import resolve_device
 
-PHASES = ("schedule", "plan", "upload", "prefix", "launch")
+PHASES = ("schedule", "plan", "upload", "prefix", "start", "launch")
 
 
 @dataclass
@@ -172,9 +176,14 @@ class HostTimer:
         c = self.clock
         if "forward" not in c.start:
             return None
-        return {"schedule": c.start.get("plan", c.start["forward"]) - t0,
+        first = c.start.get("head", c.start.get("plan", c.start["forward"]))
+        head_end = c.start["head"] + c.seconds["head"] if "head" in c.start else 0.0
+        # a head launched: the device started on it (a head section without one is host time)
+        start = head_end if self.engine.runner.head_started else c.start["forward"]
+        return {"schedule": first - t0,
                 "plan": c.seconds.get("plan", 0.0), "upload": c.seconds.get("upload", 0.0),
-                "prefix": c.start["forward"] - t0, "launch": c.seconds["forward"]}
+                "prefix": c.start["forward"] - t0, "start": start - t0,
+                "launch": c.seconds["forward"]}
 
     def close(self) -> None:
         runner = self.engine.runner

@@ -28,6 +28,13 @@ Design (docs/cuda_graphs.md, "Prefill and mixed steps"):
   whole state per padding entry. Prefill snapshots run inside the graph with a fixed count
   (destination -1 = none, the Triton slot copy skips it).
 - Logits of the real logit rows come first, in the eager order, in a shared static buffer.
+- Head start: a prefill-only step's tokens are all on the host before its planning, and the
+  forward's head (models/forward_head.py: the embedding, the first layer's norm and in_proj)
+  needs nothing else. So each prefill-only bucket is captured as two graphs, its head and the
+  rest (`tails`), and the runner replays the head before it plans the step (`start_head`: the
+  bucket's token ids in one copy of their own): the device multiplies the first projection
+  while the host plans, packs and uploads the step. The bucket's later full upload writes the
+  same ids again. A step whose head was not started replays both graphs at once.
 - A fresh lone prompt (one row from position 0, nothing decoding beside it) of a prefill-only
   bucket of at least DENSE_MIN_TOKENS tokens replays a variant of that bucket, key (tokens, 0,
   DENSE), whose attention runs dense (torch SDPA, flash attention) over the whole prefill part
@@ -51,8 +58,9 @@ from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_grap
 from mambaserve.engine.prefill_bucket import PrefillBucket, bucket_metadata, pack_prefill_step
 from mambaserve.engine.prefill_lone import pack_lone_row
 from mambaserve.engine.prefill_template import SoloTemplates, fresh_lone_prompt
-from mambaserve.host_upload import copy_into, views
+from mambaserve.host_upload import copy_into, upload, views
 from mambaserve.metadata import ForwardMetadata, HostMetadata, plan_metadata
+from mambaserve.models.forward_head import ForwardHead
 from mambaserve.ops.dispatch import kernel_path
 from mambaserve.ops.paged_attention import DENSE_MIN_TOKENS, dense_prefill_enabled
 from mambaserve.ops.state_snapshot import restore_snapshots
@@ -96,11 +104,12 @@ class PrefillGraphRunner:
                  max_decodes: int, max_model_len: int, snapshots: bool, device: torch.device,
                  max_prefill_rows: int = MAX_PREFILL_ROWS, capture: bool = True,
                  max_workspace_bytes: int = 8 << 30, max_solo_tokens: int | None = None,
-                 dense_solo: bool | None = None) -> None:
+                 dense_solo: bool | None = None, head_start: bool = True) -> None:
         """max_tokens: the prefill part of a step with decode rows; max_solo_tokens (>=
         max_tokens, default max_tokens): that of a prefill-only step; dense_solo: the fresh lone
         prompts' dense-attention variants of the prefill-only buckets of >= DENSE_MIN_TOKENS
-        tokens (None: where `dense_capable`)."""
+        tokens (None: where `dense_capable`); head_start: prefill-only steps start their
+        forward's head before they are planned, where the model has one (`model.has_head`)."""
         self.model, self.state_pool, self.kv_pool = model, state_pool, kv_pool
         self.device = torch.device(device)
         cfg = model.cfg
@@ -140,6 +149,14 @@ class PrefillGraphRunner:
         self.capture_enabled = capture and self.device.type == "cuda"
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._loaded: tuple[tuple, int] | None = None  # (bucket key, real logit rows)
+        # head start: the prefill-only buckets' heads (keyed (tokens, 0), shared by the dense
+        # variant) and their outputs, which the rest of the forward reads; the bucket key whose
+        # head runs ahead of the step being planned
+        self.head_start = head_start and bool(getattr(model, "has_head", False))
+        self.heads: dict[tuple, ForwardHead | None] = {k[:2]: None for k in self.buckets
+                                                       if self.head_start and k[1] == 0}
+        self.head_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._started: tuple | None = None
         # lone prompts' packed steps (fresh prompts and follow-up suffixes)
         self.templates = SoloTemplates(self.page_size, self.scratch_page, self.chunk_size)
 
@@ -176,6 +193,38 @@ class PrefillGraphRunner:
     def decode_offset(self, batch: Batch) -> int:
         """How far the decode tokens move from the eager layout (after the padding tokens)."""
         return self.bucket_of(batch)[0] - batch.num_prefill_tokens
+
+    # ---- head start -------------------------------------------------------------------------
+    def start_head(self, batch: Batch) -> bool:
+        """Before the step is planned: a prefill-only step of a bucket with a head gets its token
+        ids into the bucket's input ids (one copy of their own) and its head replayed; False
+        (nothing done) for any other step."""
+        self._started = None
+        if not self.heads or batch.decodes or not self.can_run(batch):
+            return False
+        key = self.bucket_of(batch)
+        if key[:2] not in self.heads or any(r.input_on_device for r in batch.prefills):
+            return False
+        ids = np.zeros(key[0], dtype=np.int64)  # the padding tokens' ids are 0 (the packing's)
+        ids[: batch.num_prefill_tokens] = np.concatenate([r.token_array()
+                                                          for r in batch.prefills])
+        dst = self.parts[key]["input_ids"]
+        if self.device.type == "cuda":
+            dst.copy_(upload({"head.ids": ids}, self.device)["head.ids"])
+        else:
+            dst.copy_(torch.from_numpy(ids))
+        self._run_head(key)
+        self._started = key
+        return True
+
+    def _run_head(self, key: tuple) -> None:
+        if key[:2] in self.head_graphs:
+            self.head_graphs[key[:2]].replay()
+        else:
+            self._head_forward(key)
+
+    def _head_forward(self, key: tuple) -> None:
+        self.heads[key[:2]] = self.model.forward_head(self.metas[key].input_ids)
 
     # ---- replay -----------------------------------------------------------------------------
     def load(self, batch: Batch) -> ForwardMetadata:
@@ -229,6 +278,9 @@ class PrefillGraphRunner:
         """Replay (or, uncaptured, run) the loaded bucket's forward; returns the logits of the
         step's real logit rows, in the eager order."""
         key, n = self._loaded
+        started, self._started = self._started == key, None
+        if key[:2] in self.heads and not started:  # the head now, the rest after it
+            self._run_head(key)
         if key in self.graphs:
             self.graphs[key].replay()
         else:
@@ -240,9 +292,13 @@ class PrefillGraphRunner:
         copy_into(self.step_bytes(key, None), self.buf)
 
     def _forward(self, key: tuple) -> None:
+        """The bucket's forward; where it has a head, the rest of it after the head's outputs."""
         out = self.model(self.metas[key], self.state_pool.conv_state, self.state_pool.ssm_state,
-                         self.kv_pool.kv_cache)
+                         self.kv_pool.kv_cache, **self._head_kw(key))
         self.logits[: out.shape[0]].copy_(out)
+
+    def _head_kw(self, key: tuple) -> dict:
+        return {"head": self.heads[key[:2]]} if key[:2] in self.heads else {}
 
     # ---- capture ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -258,16 +314,23 @@ class PrefillGraphRunner:
         order = sorted(self.buckets, key=lambda k: (self.buckets[k].num_tokens, k), reverse=True)
         for key in order:
             self._load_padding(key)
+            if key[:2] in self.heads and key[:2] not in self.head_graphs:
+                # the head's outputs (kept: the rest reads them) hold real values before the
+                # rest's warm-up runs on them
+                self.head_graphs[key[:2]] = capture_graph(lambda k=key: self._head_forward(k),
+                                                          self.device, pool)
+                self.head_graphs[key[:2]].replay()
             self.graphs[key] = capture_graph(lambda k=key: self._forward(k), self.device, pool)
         torch.cuda.synchronize(self.device)
         used = free0 - torch.cuda.mem_get_info(self.device)[0]
         dense = sum(k[-1] == DENSE for k in self.graphs)
         logger.info("CUDA graphs captured for %d prefill / mixed steps in %.1f s (%.0f MiB): "
                     "prefill tokens %s x decode rows %s (prefill-only: up to %d tokens; %d "
-                    "with dense attention for fresh lone prompts), up to %d prefill rows",
+                    "with dense attention for fresh lone prompts; %d with a head started "
+                    "before planning), up to %d prefill rows",
                     len(self.graphs), time.perf_counter() - t0, used / 2**20,
                     self.token_buckets, self.decode_buckets, self.solo_buckets[-1], dense,
-                    self.max_prefill_rows)
+                    len(self.head_graphs), self.max_prefill_rows)
 
 
 def dense_capable(model: torch.nn.Module, device: torch.device) -> bool:

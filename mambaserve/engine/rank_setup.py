@@ -157,7 +157,7 @@ def prefill_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int
         max_solo_tokens=solo_graph_tokens(config, bound, max_model_len),
         max_decodes=min(runner.graph_runner.max_bs, MAX_MIXED_DECODES),
         max_model_len=max_model_len, snapshots=config.enable_prefix_caching,
-        device=runner.device)
+        device=runner.device, head_start=runner.tp.tp_size == 1)
     graphs.capture(runner.graph_runner.pool)
     return graphs
 

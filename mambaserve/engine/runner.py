@@ -1,4 +1,6 @@
 """Runs one scheduled batch: plan (host) -> one upload -> forward -> sampler -> ONE read-back.
+A prefill-only step that replays a prefill graph starts its forward's head first
+(engine/prefill_graph.py, "Head start": its token ids in a copy of their own, before the plan).
 
 Between the upload and the sampler nothing reads a device value; the only device-to-host copy of
 a step is the packed result (sampled ids, their logprobs, top-k alternatives, prompt logprobs).
@@ -102,13 +104,15 @@ class ModelRunner:
         self.busy_seconds = 0.0  # device time of collected steps (CPU: their wall time)
         self.graph_runner = None  # engine/cuda_graph.CudaGraphRunner when graphs are enabled
         self.prefill_graph_runner = None  # engine/prefill_graph.PrefillGraphRunner, likewise
+        self.head_started = False  # the last launched step started its forward's head first
         # tensor parallelism: this rank's group, and on rank 0 the step's broadcast to the others
         self.tp = TPGroup.single()
         self.send_step: Callable[[ForwardInput], None] | None = None
         # per-request token counts for penalties (device rows allocated on first use)
         self.penalties = PenaltyState(cfg.vocab_size, device)
-        # labels the phases of a step ("plan", "upload", "forward", "sampler", "readback") for
-        # the sync audit (tools/sync_audit.py) and the host-time bench (bench/host_time.py)
+        # labels the phases of a step ("head", "plan", "upload", "forward", "sampler",
+        # "readback") for the sync audit (tools/sync_audit.py) and the host-time bench
+        # (bench/host_time.py)
         self.section: Callable[[str], contextlib.AbstractContextManager] = \
             lambda label: contextlib.nullcontext()
 
@@ -126,6 +130,9 @@ class ModelRunner:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+        if self.prefill_graph_runner is not None:
+            with self.section("head"):  # a prefill-only step's head runs while the host plans
+                self.head_started = self.prefill_graph_runner.start_head(batch)
         with self.section("plan"):
             plan = SamplingPlan.from_batch(batch, self.penalties)
             fwd = self.plan_forward(batch)

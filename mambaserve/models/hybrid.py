@@ -32,6 +32,7 @@ from mambaserve.layers.scaling import scale_, scale_linear_
 from mambaserve.layers.stacked_linear import stacked_linear, summed_linear
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.model_layout import FFNKind, LayerSpec
+from mambaserve.models.forward_head import ForwardHead
 from mambaserve.ops.linear import residual_in_projections
 from mambaserve.ops.state_snapshot import restore_snapshots
 
@@ -218,16 +219,20 @@ class HybridForCausalLM(nn.Module):
         return norm(pending, h, quantize=quantize)
 
     def _mixers(self, i: int, layer: DecoderLayer, x: torch.Tensor, meta: ForwardMetadata,
-                conv_state, ssm_state, kv_cache, rope,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                conv_state, ssm_state, kv_cache, rope, residual: torch.Tensor | None = None,
+                projected: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's mixer sub-block on its normed input x: Mamba's output, attention's, or
         both added (the residual multiplier not applied). `residual` (only where
         `layer.mixer_folds_residual`): returns residual + that, added by the closing
-        projection."""
+        projection. `projected`: the first projection's output, already computed
+        (`forward_head`)."""
         spec, mult = layer.spec, self.multipliers
         zxbcdt = qkv = None
         if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
-            zxbcdt, qkv = layer.mixer_in(x).split(layer.mixer_in_split, dim=-1)
+            both = layer.mixer_in(x) if projected is None else projected
+            zxbcdt, qkv = both.split(layer.mixer_in_split, dim=-1)
+        elif projected is not None:  # a lone Mamba mixer's in_proj (`has_head`)
+            zxbcdt = projected
         if layer.mixer_out is not None:  # both outputs side by side, one projection
             both = torch.empty(x.shape[0], layer.mixer_out.in_features, dtype=x.dtype,
                                device=x.device)
@@ -261,19 +266,42 @@ class HybridForCausalLM(nn.Module):
             out = a if out is None or add is not None else out + a
         return out
 
+    @property
+    def has_head(self) -> bool:
+        """The first layer's first projection needs the token ids only: a lone Mamba mixer's
+        in_proj or the packed projection of both mixers (models/forward_head.py)."""
+        layer = self.layers[0]
+        spec = layer.spec
+        return layer.mixer_in is not None or (spec.mamba and not spec.attention)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: the embedding (times its multiplier; float32 where the
+        stream is)."""
+        h = self.embed_tokens(input_ids)
+        if self.multipliers.embedding != 1.0:
+            h = h * self.multipliers.embedding
+        return h.float() if self.cfg.residual_in_fp32 else h
+
+    def forward_head(self, input_ids: torch.Tensor) -> ForwardHead:
+        """The embedding, the first layer's input norm and its first projection (`has_head`)."""
+        layer = self.layers[0]
+        h = self._embed(input_ids)
+        x, h = self._norm(layer.input_layernorm, h, None, layer.fp8_mixer_input)
+        if layer.mixer_in is not None:
+            return ForwardHead(h, x, layer.mixer_in(x))
+        ssm_in = self.multipliers.ssm_in
+        return ForwardHead(h, x, layer.mamba.in_proj(x * ssm_in if ssm_in != 1.0 else x))
+
     def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
-                ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
-        """Logits [len(meta.logits_idx), vocab] float32 (see NemotronHForCausalLM.forward)."""
-        cfg = self.cfg
+                ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None,
+                head: ForwardHead | None = None) -> torch.Tensor:
+        """Logits [len(meta.logits_idx), vocab] float32 (see NemotronHForCausalLM.forward;
+        `head` likewise)."""
         if meta.prefill is not None and meta.prefill.num_restores:
             restore_snapshots(conv_state, ssm_state, meta.prefill.restore_src,
                               meta.prefill.restore_dst)
         mult = self.multipliers  # all 1.0 once folded into the weights
-        h = self.embed_tokens(meta.input_ids)
-        if mult.embedding != 1.0:
-            h = h * mult.embedding
-        if cfg.residual_in_fp32:
-            h = h.float()
+        h = self._embed(meta.input_ids) if head is None else head.stream
         pending = None  # the last sub-block's output, not yet added to h
         # prefill-sized steps: a sub-block whose closing projection can add h in its epilogue
         # returns h + its output (`residual_in_projections`; h in the model dtype); the others
@@ -286,12 +314,19 @@ class HybridForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             spec = layer.spec
             if spec.has_mixer:
-                x, h = self._norm(layer.input_layernorm, h, pending, layer.fp8_mixer_input)
+                early = head if i == 0 else None
+                if early is not None:
+                    x, p = early.normed, early.projected
+                else:
+                    x, h = self._norm(layer.input_layernorm, h, pending, layer.fp8_mixer_input)
+                    p = None
                 if fold and layer.mixer_folds_residual(mult):
-                    h = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope, h)
+                    h = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope, h,
+                                     p)
                     pending = None
                 else:
-                    out = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope)
+                    out = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope,
+                                       projected=p)
                     pending = out * mult.residual if mult.residual != 1.0 else out
             if spec.ffn is not FFNKind.NONE:
                 x, h = self._norm(layer.pre_ff_layernorm, h, pending, layer.fp8_ffn_input)

@@ -18,6 +18,7 @@ from mambaserve.layers.mlp import MLP
 from mambaserve.layers.moe import MoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.metadata import ForwardMetadata
+from mambaserve.models.forward_head import ForwardHead
 from mambaserve.ops.linear import residual_in_projections
 from mambaserve.ops.state_snapshot import restore_snapshots
 
@@ -70,10 +71,25 @@ class NemotronHForCausalLM(nn.Module):
         for block in self.layers:
             block.fp8_input = takes_fp8_rows(block.mixer)
 
+    @property
+    def has_head(self) -> bool:
+        """The first block is a Mamba mixer: its in_proj needs the token ids only
+        (models/forward_head.py)."""
+        return self.layers[0].kind is LayerKind.MAMBA
+
+    def forward_head(self, input_ids: torch.Tensor) -> ForwardHead:
+        """The embedding, the first block's norm and its in_proj (`has_head`)."""
+        block = self.layers[0]
+        h = self.embeddings(input_ids)
+        x = block.norm(h, quantize=block.fp8_input)
+        return ForwardHead(h, x, block.mixer.in_proj(x))
+
     def forward(self, meta: ForwardMetadata, conv_state: torch.Tensor | None,
-                ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
+                ssm_state: torch.Tensor | None, kv_cache: torch.Tensor | None,
+                head: ForwardHead | None = None) -> torch.Tensor:
         """Runs every layer over the flat batch; returns the logits of the rows
-        `meta.logits_idx` selects, [len(logits_idx), vocab] float32.
+        `meta.logits_idx` selects, [len(logits_idx), vocab] float32. `head`: `forward_head`
+        of `meta.input_ids`, already computed (the forward goes on from it).
 
         conv_state: [L_mamba, slots + 1, K-1, conv_dim]; ssm_state: [L_mamba, slots + 1, H, P, N];
         kv_cache: [L_attn, 2, pages + 1, page_size, H_kv, head_dim].
@@ -83,21 +99,25 @@ class NemotronHForCausalLM(nn.Module):
         if meta.prefill is not None and meta.prefill.num_restores:
             restore_snapshots(conv_state, ssm_state, meta.prefill.restore_src,
                               meta.prefill.restore_dst)
-        h = self.embeddings(meta.input_ids)  # the residual stream
+        h = self.embeddings(meta.input_ids) if head is None else head.stream  # residual stream
         # prefill-sized steps: a block whose closing projection can add h in its epilogue
         # returns h + its output (`residual_in_projections`); the others leave the add to the
         # next norm's pass
         fold = residual_in_projections(h.shape[0], h.device)
         out = None  # the previous block's mixer output, not yet added to h
         for i, block in enumerate(self.layers):
-            if out is None:
+            if i == 0 and head is not None:
+                x = head.normed
+            elif out is None:
                 x = block.norm(h, quantize=block.fp8_input)
             else:  # h = h + out; x = norm(h), in one pass (the same rounding as two torch ops)
                 x, h = block.norm(out, h, quantize=block.fp8_input)
             res = h if fold and block.folds_residual else None
             if block.kind is LayerKind.MAMBA:
                 n = self.mamba_index[i]
-                out = block.mixer(x, meta, conv_state[n], ssm_state[n], residual=res)
+                zxbcdt = head.projected if i == 0 and head is not None else None
+                out = block.mixer(x, meta, conv_state[n], ssm_state[n], zxbcdt=zxbcdt,
+                                  residual=res)
             elif block.kind is LayerKind.ATTENTION:
                 out = block.mixer(x, meta, kv_cache[self.attention_index[i]], residual=res)
             elif res is not None:  # MLP, MoE

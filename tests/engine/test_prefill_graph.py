@@ -289,6 +289,56 @@ def test_fresh_lone_prompts_replay_a_dense_attention_variant(engine, monkeypatch
     torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
 
 
+def test_prefill_only_steps_start_their_head_before_the_plan(engine):
+    """start_head: a prefill-only step's token ids (padding ids 0) into its bucket's input ids and
+    the head run before the step is planned; the replay then runs only the rest, and the
+    logits are eager's. Steps with decode rows run their bucket's whole forward."""
+    sp, kv, model = engine.state_pool, engine.kv_pool, engine.model
+    graphs = PrefillGraphRunner(model, sp, kv, max_tokens=32, max_decodes=4, max_model_len=64,
+                                snapshots=True, device="cpu")
+    assert sorted(graphs.heads) == [(16, 0), (32, 0)]
+    for name in ("one short prompt", "several short prompts", "prefix-cache hit suffix"):
+        batch = SCENARIOS[name]
+        eager, _ = _eager_forward(engine, batch, seed=1)
+        key = graphs.bucket_of(batch)
+        graphs.buf.fill_(7)  # a step before left other bytes
+        with torch.inference_mode():
+            assert graphs.start_head(batch)
+            ids = graphs.metas[key].input_ids.tolist()
+            n = batch.num_prefill_tokens
+            assert ids[:n] == [t for r in batch.prefills for t in r.token_ids]
+            assert ids[n:] == [0] * (key[0] - n)
+            started = graphs.heads[key[:2]]
+            graphs.load(batch)
+            logits = graphs.replay()
+            assert graphs.heads[key[:2]] is started  # not run again
+        torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
+    mixed = SCENARIOS["mixed"]
+    eager, _ = _eager_forward(engine, mixed, seed=1)
+    with torch.inference_mode():
+        assert not graphs.start_head(mixed)
+        graphs.load(mixed)
+        torch.testing.assert_close(graphs.replay(), eager, rtol=0, atol=1e-5)
+    off = PrefillGraphRunner(model, sp, kv, max_tokens=32, max_decodes=4, max_model_len=64,
+                             snapshots=True, device="cpu", head_start=False)
+    assert not off.heads and not off.start_head(SCENARIOS["one short prompt"])
+
+
+def test_a_step_whose_head_was_not_started_runs_it_in_the_replay(engine):
+    """A prefill-only step loaded without start_head (or after another step's start) replays
+    its bucket's head, then the rest: eager's logits."""
+    sp, kv, model = engine.state_pool, engine.kv_pool, engine.model
+    graphs = PrefillGraphRunner(model, sp, kv, max_tokens=32, max_decodes=4, max_model_len=64,
+                                snapshots=True, device="cpu")
+    one, several = SCENARIOS["one short prompt"], SCENARIOS["several short prompts"]
+    eager, _ = _eager_forward(engine, several, seed=3)
+    with torch.inference_mode():
+        assert graphs.start_head(one)  # started for a step that is not the one replayed
+        graphs.load(several)
+        logits = graphs.replay()
+    torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
+
+
 def test_capture_batches_touch_only_scratch_memory(engine):
     sp, kv = engine.state_pool, engine.kv_pool
     g = torch.Generator().manual_seed(1)
@@ -378,12 +428,22 @@ def test_capture_and_replay_plumbing_with_a_fake_cuda(tiny_ckpt, monkeypatch):
     order = install_fake_cuda(monkeypatch, graphs)
     graphs.capture_enabled = True
     graphs.capture()
+    heads = [k for k in order if k[0] == "head"]
+    order = [k for k in order if k[0] != "head"]
     assert sorted(order) == sorted(graphs.buckets) == sorted(graphs.graphs)
     sizes = [graphs.buckets[k].num_tokens for k in order]
     assert sizes == sorted(sizes, reverse=True)  # largest first
+    # one head per prefill-only bucket (its dense variant shares it), captured before the rest
+    assert sorted(k[1][:2] for k in heads) == sorted(graphs.head_graphs) == sorted(
+        k for k in graphs.buckets if k[1] == 0)
+    started, start_head = [], graphs.start_head
+    monkeypatch.setattr(graphs, "start_head", lambda b: started.append(start_head(b)) or
+                        started[-1])
     prompts = _prompts()
     assert _tokens(llm, prompts) == _tokens(eager, prompts)
     assert sum(g.replays for g in graphs.graphs.values()) > 0
+    assert True in started  # the prompts' first steps (prefill-only) started their heads
+    assert sum(g.replays for g in graphs.head_graphs.values()) > len(graphs.head_graphs)
 
 
 def test_option_validated():
