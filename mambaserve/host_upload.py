@@ -6,9 +6,10 @@ bool, uint8), lays them out in one byte buffer (each part 16-byte aligned), copi
 with ONE host-to-device copy (on CUDA from a reused pinned staging buffer, `PinnedStaging`,
 non-blocking: no sync) and returns typed, shaped views into it. On a CPU the host buffer itself
 is returned, viewed the same way. `copy_into(host, dst)` is one copy into a buffer that already
-lives on the device (a CUDA graph's capture inputs); `views(buf, specs)` gives the typed views
-of a byte buffer laid out as `pack` lays out parts of those dtypes and shapes (a prefill graph's
-static buffer).
+lives on the device (a CUDA graph's capture inputs), `upload_into(host, dst)` the same from the
+staging buffers (a step's early copy: a prefill graph's head start); `views(buf, specs)` gives
+the typed views of a byte buffer laid out as `pack` lays out parts of those dtypes and shapes
+(a prefill graph's static buffer).
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ class PinnedStaging:
         self.lock = threading.Lock()  # the engine uploads from one thread; tests may not
 
     def copy(self, parts: dict[str, np.ndarray], offsets: dict[str, int], size: int,
-             device: torch.device) -> torch.Tensor:
-        """`parts` laid out at `offsets` in `size` bytes, copied to `device` (non-blocking)."""
+             device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
+        """`parts` laid out at `offsets` in `size` bytes, copied to `device` (non-blocking):
+        into a new device tensor, or into `into` (uint8, `size` bytes), which is returned."""
         with self.lock:
             for _ in range(len(self.bufs)):
                 i, self.next = self.next, (self.next + 1) % len(self.bufs)
@@ -153,14 +155,13 @@ class PinnedStaging:
                     pinned = self._alloc(max(self.min_bytes, 1 << (size - 1).bit_length()))
                     held = self.bufs[i] = (pinned, pinned.numpy())
                 _fill(held[1], parts, offsets)
-                # NOTE: the step's upload; non-blocking from pinned memory: no sync
-                out = held[0][:size].to(device, non_blocking=True)
+                out = _to_device(held[0][:size], device, into)
                 self.events[i] = event = event or self._event()
                 self._record(event, device)
                 return out
         pinned = self._alloc(size)  # every buffer still in flight: a fresh one
         _fill(pinned.numpy(), parts, offsets)
-        return pinned.to(device, non_blocking=True)
+        return _to_device(pinned, device, into)
 
     # the CUDA calls, apart (tests/test_host_upload.py runs the buffer rules on a CPU)
     def _alloc(self, nbytes: int) -> torch.Tensor:
@@ -173,7 +174,22 @@ class PinnedStaging:
         event.record(torch.cuda.current_stream(device))
 
 
+def _to_device(src: torch.Tensor, device: torch.device, into: torch.Tensor | None
+               ) -> torch.Tensor:
+    # NOTE: the step's upload; non-blocking from pinned memory: no sync
+    if into is None:
+        return src.to(device, non_blocking=True)
+    into.copy_(src, non_blocking=True)
+    return into
+
+
 _STAGING: dict[torch.device, PinnedStaging] = {}
+
+
+def _staging(device: torch.device) -> tuple[PinnedStaging, torch.device]:
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _STAGING.get(device) or _STAGING.setdefault(device, PinnedStaging()), device
 
 
 def upload(parts: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -183,10 +199,23 @@ def upload(parts: dict[str, np.ndarray], device: torch.device | str) -> dict[str
     plan = _plan(_parts_key(parts))
     if device.type != "cuda":
         return _views(torch.from_numpy(_pack(parts, plan)), plan)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    staging = _STAGING.get(device) or _STAGING.setdefault(device, PinnedStaging())
+    staging, device = _staging(device)
     return _views(staging.copy(parts, plan.offsets, max(plan.total, _ALIGN), device), plan)
+
+
+def upload_into(host: np.ndarray, dst: torch.Tensor) -> None:
+    """Copy a host array into a contiguous tensor of its dtype and size, on CUDA by one
+    host-to-device copy from the pinned staging buffers (non-blocking, no sync; no device
+    buffer of its own and no second copy, as `upload` then a copy would take)."""
+    if dst.numel() != host.size or _TORCH_DTYPES.get(host.dtype) != dst.dtype \
+            or not dst.is_contiguous():
+        raise ValueError(f"cannot copy a {host.dtype} array of {host.size} elements into a "
+                         f"{dst.dtype} tensor of {dst.numel()}")
+    if dst.device.type != "cuda":
+        dst.copy_(torch.from_numpy(host))
+        return
+    staging, device = _staging(dst.device)
+    staging.copy({"x": host}, {"x": 0}, host.nbytes, device, into=dst.view(torch.uint8))
 
 
 def copy_into(host: np.ndarray, dst: torch.Tensor) -> None:

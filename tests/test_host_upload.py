@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from mambaserve.host_upload import PinnedStaging, copy_into, layout, pack, upload
+from mambaserve.host_upload import PinnedStaging, copy_into, layout, pack, upload, upload_into
 
 
 def test_upload_views_every_part_with_its_dtype_and_shape_in_one_buffer():
@@ -38,6 +38,16 @@ def test_copy_into_fills_the_prefix_of_a_device_buffer():
     dst = torch.full((6,), -1, dtype=torch.int64)
     copy_into(np.array([3, 4, 5], dtype=np.int64), dst)
     assert dst.tolist() == [3, 4, 5, -1, -1, -1]
+
+
+def test_upload_into_fills_a_tensor_of_the_arrays_size_and_dtype():
+    buf = torch.full((8,), -1, dtype=torch.int64)
+    upload_into(np.array([3, 4, 5], dtype=np.int64), buf[2:5])
+    assert buf.tolist() == [-1, -1, 3, 4, 5, -1, -1, -1]
+    for host, dst in ((np.zeros(3, np.int64), buf[:4]), (np.zeros(3, np.int32), buf[:3]),
+                      (np.zeros(3, np.int64), buf[::2][:3])):
+        with pytest.raises(ValueError, match="cannot copy"):
+            upload_into(host, dst)
 
 
 class _Event:
@@ -95,6 +105,31 @@ def test_pinned_staging_reuses_a_buffer_only_after_its_copy_finished():
         e.done = True
     _, got = _upload(st, {"x": np.arange(20, dtype=np.int64)})
     assert st.allocs[-1] == 256 and got["x"].tolist() == list(range(20))
+
+
+def test_pinned_staging_copies_into_a_given_tensor():
+    st = _CpuStaging(slots=1, min_bytes=64)
+    dst = torch.zeros(48, dtype=torch.uint8)
+    out = st.copy({"x": np.arange(4, dtype=np.int64)}, {"x": 0}, 32, torch.device("cpu"),
+                  into=dst[8:40])
+    assert out.data_ptr() == dst[8:].data_ptr()
+    assert dst[8:40].view(torch.int64).tolist() == [0, 1, 2, 3] and not dst[:8].any()
+    # the slot still in flight: a fresh buffer, the same destination rule
+    st.copy({"x": np.full(2, 5, dtype=np.int64)}, {"x": 0}, 16, torch.device("cpu"),
+            into=dst[:16])
+    assert st.allocs == [64, 16] and dst[:16].view(torch.int64).tolist() == [5, 5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_upload_into_behind_a_busy_stream_keeps_each_value():
+    a = torch.randn(4096, 4096, device="cuda")
+    dst = torch.zeros(12, 64, dtype=torch.int64, device="cuda")
+    for i in range(12):
+        b = a @ a  # keeps the stream busy while the copies queue up
+        upload_into(np.arange(i, i + 64, dtype=np.int64), dst[i])
+    torch.cuda.synchronize()
+    del b
+    assert dst.cpu().tolist() == [list(range(i, i + 64)) for i in range(12)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
