@@ -151,7 +151,8 @@ class PrefillGraphRunner:
         self._loaded: tuple[tuple, int] | None = None  # (bucket key, real logit rows)
         # head start: the prefill-only buckets' heads (keyed (tokens, 0), shared by the dense
         # variant) and their outputs, which the rest of the forward reads; the bucket key whose
-        # head runs ahead of the step being planned
+        # head runs ahead of the step being planned. `head_start` False later: the heads replay
+        # back to back with the rest (scripts/head_start_ab.py's "off" arm)
         self.head_start = head_start and bool(getattr(model, "has_head", False))
         self.heads: dict[tuple, ForwardHead | None] = {k[:2]: None for k in self.buckets
                                                        if self.head_start and k[1] == 0}
@@ -200,7 +201,7 @@ class PrefillGraphRunner:
         ids into the bucket's input ids (one copy of their own) and its head replayed; False
         (nothing done) for any other step."""
         self._started = None
-        if not self.heads or batch.decodes or not self.can_run(batch):
+        if not (self.head_start and self.heads) or batch.decodes or not self.can_run(batch):
             return False
         key = self.bucket_of(batch)
         if key[:2] not in self.heads or any(r.input_on_device for r in batch.prefills):
