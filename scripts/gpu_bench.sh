@@ -4,7 +4,8 @@
 #   bash scripts/gpu_bench.sh STAGE...
 #
 # stages: tests tests-quick tests-ssd tests-attention check prefill decode decode-eager hf ab serve load load-sweep load-profile trace profile-mixed kernels attention profile ncu audit moe moe-presets overlap fp8 prefill-graphs suffix families families-hf
-#         latency targets latency-profile attention-decode prefix-attention gemv gemv-rules
+#         latency targets head-start latency-profile attention-decode prefix-attention gemv
+#         gemv-rules
 #         decode-kernels fp8-serve
 #         fp8-sweep fp8-rows fp8-state pdl prefetch dense-attn host sampler
 #         tp (nvidia-h200-x2: TP_SIZE ranks)
@@ -401,6 +402,11 @@ stage_targets() {  # the single-request latency targets in one pass (overlap on,
     run targets-cache-on 150 $MS bench one-batch --preset $PRESET --device cuda --dtype bfloat16 \
         --batch-size 1 --input-len 512,2048 --output-len 24 --repeats 5 \
         --engine "$eng,enable_prefix_caching=true" --out "$W/targets_cache_on.json"
+}
+stage_head-start() {  # the prefill graphs' head start on and off in one engine, interleaved:
+    # TTFT of fresh 32-2,048-token prompts and of 32 / 128-token follow-up suffixes
+    run head-start 400 $PY scripts/head_start_ab.py --preset $PRESET --fresh 32,128,512,2048 \
+        --follow-up 32,128 --cached-prefix-len 2048 --rounds 12 --out "$W/head_start.json"
 }
 stage_host() {  # the host's time per step before its forward starts (bench host), at the 9B
     # preset: lone prompts (TTFT's host part) and steady decode batches, graphs on
