@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--follow-up", default="32,128", help="suffix lengths after the history")
     ap.add_argument("--cached-prefix-len", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--head-min-tokens", type=int, default=0,
+                    help="the smallest bucket given a head (engine/prefill_graph.py's "
+                    "HEAD_MIN_TOKENS; 0: every prefill-only bucket, so every size is timed)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (float32, "
                     "uncaptured graphs up to 64 tokens)")
     ap.add_argument("--out", default=None)
@@ -35,6 +38,9 @@ def main() -> None:
     from mambaserve.bench.one_batch import OneBatchConfig, int_list
     from mambaserve.bench.one_batch_backends import MambaserveBackend
     from mambaserve.bench.presets import materialize_preset
+    from mambaserve.engine import prefill_graph
+
+    prefill_graph.HEAD_MIN_TOKENS = a.head_min_tokens  # before the engine captures its graphs
 
     fresh, follow = int_list(a.fresh) if a.fresh else [], \
         int_list(a.follow_up) if a.follow_up else []

@@ -30,11 +30,12 @@ Design (docs/cuda_graphs.md, "Prefill and mixed steps"):
 - Logits of the real logit rows come first, in the eager order, in a shared static buffer.
 - Head start: a prefill-only step's tokens are all on the host before its planning, and the
   forward's head (models/forward_head.py: the embedding, the first layer's norm and in_proj)
-  needs nothing else. So each prefill-only bucket is captured as two graphs, its head and the
-  rest (`tails`), and the runner replays the head before it plans the step (`start_head`: the
-  bucket's token ids in one copy of their own): the device multiplies the first projection
-  while the host plans, packs and uploads the step. The bucket's later full upload writes the
-  same ids again. A step whose head was not started replays both graphs at once.
+  needs nothing else. So each prefill-only bucket of at least HEAD_MIN_TOKENS tokens is
+  captured as two graphs, its head and the rest, and the runner replays the head before it
+  plans the step (`start_head`: the bucket's token ids in one copy of their own): the device
+  multiplies the first projection while the host plans, packs and uploads the step. The
+  bucket's later full upload writes the same ids again. A step whose head was not started
+  replays both graphs at once.
 - A fresh lone prompt (one row from position 0, nothing decoding beside it) of a prefill-only
   bucket of at least DENSE_MIN_TOKENS tokens replays a variant of that bucket, key (tokens, 0,
   DENSE), whose attention runs dense (torch SDPA, flash attention) over the whole prefill part
@@ -70,6 +71,12 @@ logger = logging.getLogger("mambaserve")
 MAX_PREFILL_ROWS = 4  # real prefill rows a graph holds (one more padding row)
 MAX_MIXED_DECODES = 64  # decode rows next to a prefill part; larger mixed steps run eagerly
 DENSE = "dense"  # the last element of a fresh lone prompt's dense-attention bucket key
+# the smallest prefill-only bucket whose head starts before the step's planning: timed at 512
+# tokens (0.45-0.5 ms off the TTFT on an H100, docs/benchmarks.md run 32); below 256 the head's
+# in_proj reads its weight in ~45-70 us, about what starting it early costs the host, and those
+# buckets (short prompts, follow-up suffixes) keep their one graph until
+# scripts/head_start_ab.py times them
+HEAD_MIN_TOKENS = 256
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -154,8 +161,9 @@ class PrefillGraphRunner:
         # head runs ahead of the step being planned. `head_start` False later: the heads replay
         # back to back with the rest (scripts/head_start_ab.py's "off" arm)
         self.head_start = head_start and bool(getattr(model, "has_head", False))
-        self.heads: dict[tuple, ForwardHead | None] = {k[:2]: None for k in self.buckets
-                                                       if self.head_start and k[1] == 0}
+        self.heads: dict[tuple, ForwardHead | None] = {
+            k[:2]: None for k in self.buckets
+            if self.head_start and k[1] == 0 and k[0] >= HEAD_MIN_TOKENS}
         self.head_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._started: tuple | None = None
         # lone prompts' packed steps (fresh prompts and follow-up suffixes)

@@ -289,7 +289,23 @@ def test_fresh_lone_prompts_replay_a_dense_attention_variant(engine, monkeypatch
     torch.testing.assert_close(logits, eager, rtol=0, atol=1e-5)
 
 
-def test_prefill_only_steps_start_their_head_before_the_plan(engine):
+@pytest.fixture
+def heads_from_16(monkeypatch):
+    """Heads for every prefill-only bucket (HEAD_MIN_TOKENS 0): these tests' buckets are small."""
+    monkeypatch.setattr(prefill_graph, "HEAD_MIN_TOKENS", 0)
+
+
+def test_heads_only_from_head_min_tokens(engine, monkeypatch):
+    monkeypatch.setattr(prefill_graph, "HEAD_MIN_TOKENS", 32)
+    graphs = PrefillGraphRunner(engine.model, engine.state_pool, engine.kv_pool, max_tokens=16,
+                                max_decodes=2, max_model_len=128, snapshots=False,
+                                device="cpu", max_solo_tokens=64)
+    assert sorted(graphs.heads) == [(32, 0), (64, 0)]
+    assert not graphs.start_head(Batch([row(_ids(11, 0), 0, 0, False, _pages(0, 3))], []))
+    assert graphs.start_head(Batch([row(_ids(20, 0), 0, 0, False, _pages(0, 5))], []))
+
+
+def test_prefill_only_steps_start_their_head_before_the_plan(engine, heads_from_16):
     """start_head: a prefill-only step's token ids (padding ids 0) into its bucket's input ids and
     the head run before the step is planned; the replay then runs only the rest, and the
     logits are eager's. Steps with decode rows run their bucket's whole forward."""
@@ -324,7 +340,7 @@ def test_prefill_only_steps_start_their_head_before_the_plan(engine):
     assert not off.heads and not off.start_head(SCENARIOS["one short prompt"])
 
 
-def test_a_step_whose_head_was_not_started_runs_it_in_the_replay(engine):
+def test_a_step_whose_head_was_not_started_runs_it_in_the_replay(engine, heads_from_16):
     """A prefill-only step loaded without start_head (or after another step's start) replays
     its bucket's head, then the rest: eager's logits."""
     sp, kv, model = engine.state_pool, engine.kv_pool, engine.model
@@ -419,7 +435,7 @@ def test_engine_with_falcon_h1(falcon_ckpt):
     assert _tokens(on, prompts) == _tokens(eager, prompts) and seen
 
 
-def test_capture_and_replay_plumbing_with_a_fake_cuda(tiny_ckpt, monkeypatch):
+def test_capture_and_replay_plumbing_with_a_fake_cuda(tiny_ckpt, monkeypatch, heads_from_16):
     kw = {"max_model_len": 96, "max_num_seqs": 4, "chunked_prefill_size": 24, "device": "cpu"}
     eager = LLM(tiny_ckpt, **kw)
     llm = LLM(tiny_ckpt, enforce_eager=False, cuda_graph_max_bs=4,
@@ -457,9 +473,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @gpu
 @pytest.mark.parametrize("prefix", [False, True])
-def test_prefill_graphs_match_eager_on_gpu(tiny_ckpt, falcon_ckpt, prefix):
+def test_prefill_graphs_match_eager_on_gpu(tiny_ckpt, falcon_ckpt, prefix, heads_from_16):
     """Captured prefill / mixed graphs (the default on CUDA) give eager's tokens, with and
-    without prefix caching (a second turn hits), under overlap scheduling (the default)."""
+    without prefix caching (a second turn hits), under overlap scheduling (the default); the
+    prefill-only buckets with heads started before the planning."""
     for ckpt in (tiny_ckpt, falcon_ckpt):
         kw = {"device": "cuda", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
               "chunked_prefill_size": 32, "enable_prefix_caching": prefix,
@@ -482,9 +499,10 @@ def test_prefill_graphs_match_eager_on_gpu(tiny_ckpt, falcon_ckpt, prefix):
 
 @gpu
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_replayed_graph_matches_eager_forward_on_gpu(tiny_ckpt, name):
-    """Each scenario's bucket captured, then replayed over the scenario: the logits and every
-    live state / page as the eager forward leaves them."""
+def test_replayed_graph_matches_eager_forward_on_gpu(tiny_ckpt, name, heads_from_16):
+    """Each scenario's bucket captured, then replayed over the scenario (a prefill-only one with
+    its head started first): the logits and every live state / page as the eager forward leaves
+    them."""
     eng = LLM(tiny_ckpt, device="cuda", dtype="float32", max_model_len=64, max_num_seqs=4,
               page_size=PS, enable_prefix_caching=True, enforce_eager=True,
               memory_budget_bytes=64 << 20).engine
@@ -508,6 +526,7 @@ def test_replayed_graph_matches_eager_forward_on_gpu(tiny_ckpt, name):
         for t, s in zip(pools, start):
             t.copy_(s)
         assert graphs.can_run(batch)
+        assert graphs.start_head(batch) == (not batch.decodes)
         graphs.load(batch)
         logits = graphs.replay().clone()
     torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
