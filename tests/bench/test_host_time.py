@@ -58,6 +58,23 @@ def test_cpu_run_times_each_path_and_its_phases():
     assert {r.path for r in eager.values()} == {"eager"}
 
 
+def test_start_is_the_heads_launch_where_a_head_starts(monkeypatch):
+    """`start`: the forward's start (= prefix) for a step without a head; the end of the head's
+    launch, before the planning, where a prefill-only step starts its head (engine/
+    prefill_graph.py; on a CPU the head runs inside that launch)."""
+    from mambaserve.engine import prefill_graph
+
+    engine = {"enforce_eager": False, "cuda_graph_max_prefill_tokens": 32}
+    plain = _run(engine)["prefill 8"].us  # bucket 16: below HEAD_MIN_TOKENS
+    assert plain["start"] == plain["prefix"]
+    monkeypatch.setattr(prefill_graph, "HEAD_MIN_TOKENS", 0)
+    runs = _run(engine)
+    early = runs["prefill 8"].us
+    assert early["schedule"] < early["start"] < early["prefix"] - early["plan"]
+    dec = runs["decode 2"].us
+    assert dec["start"] == dec["prefix"]
+
+
 def test_follow_up_turn_after_a_cached_history():
     """--cached-prefix-len: the timed step is a suffix after a history the cache serves whole
     (a restore, then the suffix through a prefill graph)."""
