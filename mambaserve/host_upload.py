@@ -5,11 +5,11 @@ data (forward metadata, sampling parameters, CUDA-graph inputs) reaches the devi
 bool, uint8), lays them out in one byte buffer (each part 16-byte aligned), copies the buffer
 with ONE host-to-device copy (on CUDA from a reused pinned staging buffer, `PinnedStaging`,
 non-blocking: no sync) and returns typed, shaped views into it. On a CPU the host buffer itself
-is returned, viewed the same way. `copy_into(host, dst)` is one copy into a buffer that already
-lives on the device (a CUDA graph's capture inputs), `upload_into(host, dst)` the same from the
-staging buffers (a step's early copy: a prefill graph's head start); `views(buf, specs)` gives
-the typed views of a byte buffer laid out as `pack` lays out parts of those dtypes and shapes
-(a prefill graph's static buffer).
+is returned, viewed the same way. `copy_into(host, dst)` is one copy, from the same staging
+buffers, into a buffer that already lives on the device (a CUDA graph's capture inputs, a
+prefill graph's token ids sent ahead for its head start); `views(buf, specs)` gives the typed
+views of a byte buffer laid out as `pack` lays out parts of those dtypes and shapes (a prefill
+graph's static buffer).
 """
 
 from __future__ import annotations
@@ -203,26 +203,18 @@ def upload(parts: dict[str, np.ndarray], device: torch.device | str) -> dict[str
     return _views(staging.copy(parts, plan.offsets, max(plan.total, _ALIGN), device), plan)
 
 
-def upload_into(host: np.ndarray, dst: torch.Tensor) -> None:
-    """Copy a host array into a contiguous tensor of its dtype and size, on CUDA by one
-    host-to-device copy from the pinned staging buffers (non-blocking, no sync; no device
-    buffer of its own and no second copy, as `upload` then a copy would take)."""
-    if dst.numel() != host.size or _TORCH_DTYPES.get(host.dtype) != dst.dtype \
-            or not dst.is_contiguous():
+def copy_into(host: np.ndarray, dst: torch.Tensor) -> None:
+    """Copy a host array into the first `host.size` elements of a contiguous tensor of its
+    dtype (a buffer a CUDA graph reads), once: on CUDA by one host-to-device copy from the
+    pinned staging buffers (non-blocking, no sync; no device buffer of its own, no second
+    copy)."""
+    if _TORCH_DTYPES.get(host.dtype) != dst.dtype or not dst.is_contiguous() \
+            or host.size > dst.numel():
         raise ValueError(f"cannot copy a {host.dtype} array of {host.size} elements into a "
                          f"{dst.dtype} tensor of {dst.numel()}")
+    view = dst.reshape(-1)[: host.size]
     if dst.device.type != "cuda":
-        dst.copy_(torch.from_numpy(host))
+        view.copy_(torch.from_numpy(np.ascontiguousarray(host)).reshape(-1))
         return
     staging, device = _staging(dst.device)
-    staging.copy({"x": host}, {"x": 0}, host.nbytes, device, into=dst.view(torch.uint8))
-
-
-def copy_into(host: np.ndarray, dst: torch.Tensor) -> None:
-    """Copy a host array into the first `host.size` elements of a device buffer, once."""
-    src = torch.from_numpy(np.ascontiguousarray(host))
-    view = dst[: src.numel()]
-    if dst.device.type == "cuda":
-        view.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        view.copy_(src)
+    staging.copy({"x": host}, {"x": 0}, host.nbytes, device, into=view.view(torch.uint8))

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from mambaserve.host_upload import PinnedStaging, copy_into, layout, pack, upload, upload_into
+from mambaserve.host_upload import PinnedStaging, copy_into, layout, pack, upload
 
 
 def test_upload_views_every_part_with_its_dtype_and_shape_in_one_buffer():
@@ -40,14 +40,14 @@ def test_copy_into_fills_the_prefix_of_a_device_buffer():
     assert dst.tolist() == [3, 4, 5, -1, -1, -1]
 
 
-def test_upload_into_fills_a_tensor_of_the_arrays_size_and_dtype():
+def test_copy_into_a_view_takes_an_array_of_its_dtype_within_its_size():
     buf = torch.full((8,), -1, dtype=torch.int64)
-    upload_into(np.array([3, 4, 5], dtype=np.int64), buf[2:5])
+    copy_into(np.array([3, 4, 5], dtype=np.int64), buf[2:5])
     assert buf.tolist() == [-1, -1, 3, 4, 5, -1, -1, -1]
-    for host, dst in ((np.zeros(3, np.int64), buf[:4]), (np.zeros(3, np.int32), buf[:3]),
+    for host, dst in ((np.zeros(4, np.int64), buf[:3]), (np.zeros(3, np.int32), buf[:3]),
                       (np.zeros(3, np.int64), buf[::2][:3])):
         with pytest.raises(ValueError, match="cannot copy"):
-            upload_into(host, dst)
+            copy_into(host, dst)
 
 
 class _Event:
@@ -121,12 +121,12 @@ def test_pinned_staging_copies_into_a_given_tensor():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_upload_into_behind_a_busy_stream_keeps_each_value():
+def test_gpu_copy_into_behind_a_busy_stream_keeps_each_value():
     a = torch.randn(4096, 4096, device="cuda")
     dst = torch.zeros(12, 64, dtype=torch.int64, device="cuda")
     for i in range(12):
         b = a @ a  # keeps the stream busy while the copies queue up
-        upload_into(np.arange(i, i + 64, dtype=np.int64), dst[i])
+        copy_into(np.arange(i, i + 64, dtype=np.int64), dst[i])
     torch.cuda.synchronize()
     del b
     assert dst.cpu().tolist() == [list(range(i, i + 64)) for i in range(12)]

@@ -59,7 +59,7 @@ from mambaserve.engine.cuda_graph import attention_workspace_bytes, capture_grap
 from mambaserve.engine.prefill_bucket import PrefillBucket, bucket_metadata, pack_prefill_step
 from mambaserve.engine.prefill_lone import pack_lone_row
 from mambaserve.engine.prefill_template import SoloTemplates, fresh_lone_prompt
-from mambaserve.host_upload import copy_into, upload_into, views
+from mambaserve.host_upload import copy_into, views
 from mambaserve.metadata import ForwardMetadata, HostMetadata, plan_metadata
 from mambaserve.models.forward_head import ForwardHead
 from mambaserve.ops.dispatch import kernel_path
@@ -217,7 +217,7 @@ class PrefillGraphRunner:
         ids = np.zeros(key[0], dtype=np.int64)  # the padding tokens' ids are 0 (the packing's)
         ids[: batch.num_prefill_tokens] = np.concatenate([r.token_array()
                                                           for r in batch.prefills])
-        upload_into(ids, self.parts[key]["input_ids"])
+        copy_into(ids, self.parts[key]["input_ids"])
         self._run_head(key)
         self._started = key
         return True
