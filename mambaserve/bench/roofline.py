@@ -112,7 +112,9 @@ def prefill_flops(cfg, counts: ModelCounts, batch_size: int, input_len: int) -> 
     every matmul weight, the lm_head on one position per sequence, causal attention scores and
     values (2 x 2 x heads x head_dim x L(L+1)/2 per attention layer), and the chunked SSD's
     matrix work per chunk of Q tokens (causal C·Bᵀ per group, chunk states and state-to-output
-    per head, causal scores x inputs per head)."""
+    per head, causal scores x inputs per head). Every row goes through every layer here: the
+    engine computes the tail after the last token-mixing layer on the logits rows alone
+    (models/output_rows.py), work this floor still counts (the targets were set on it)."""
     tokens = batch_size * input_len
     f = 2.0 * counts.per_token * tokens + 2.0 * counts.lm_head * batch_size
     causal = input_len * (input_len + 1) / 2

@@ -44,6 +44,7 @@ class Mamba2Mixer(nn.Module):
         self.n_groups, self.state_size = cfg.n_groups, cfg.ssm_state_size
         self.d_inner = cfg.mamba_intermediate_size
         self.conv_dim = cfg.conv_dim
+        self.hidden_size = cfg.hidden_size  # out_proj's output width (every tensor-parallel rank)
         self.norm_eps = cfg.norm_eps
         self.prefill_dt_limit, self.decode_dt_limit = cfg.prefill_dt_limit, cfg.decode_dt_limit
         self.in_proj = Linear(cfg.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
@@ -155,13 +156,17 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, meta: ForwardMetadata, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor, zxbcdt: torch.Tensor | None = None,
                 into: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden]; conv_state: [slots + 1, K-1, conv_dim]; ssm_state: [slots + 1, H, P, N].
         `zxbcdt`: in_proj(x) when the layer computed it in a packed projection (in_proj is then
         None: `DecoderLayer.pack_mixer_projections`). `into` [T, d_inner] (out_proj is then the
         caller's, packed likewise): the gated norm's output is written there and returned.
         `residual` [T, hidden] (only where `folds_residual`): returns residual + the output,
-        added by out_proj's launch (`layers.linear.residual_projection`)."""
+        added by out_proj's launch (`layers.linear.residual_projection`). `out_rows` (not with
+        `into`): the output of those rows only, [len(out_rows), hidden] (`residual` holds
+        theirs): the scan and the state updates take every row, the gated norm and out_proj
+        those (models/output_rows.py)."""
         T = x.shape[0]
         Tp = meta.num_prefill_tokens
         H, P = self.num_heads, self.head_dim
@@ -207,12 +212,18 @@ class Mamba2Mixer(nn.Module):
             else:  # decode-only batch: no copy
                 y = y_d
 
+        y = y.reshape(T, self.d_inner)
+        if out_rows is not None:
+            assert into is None, "out_rows takes the layer's own out_proj"
+            y, z = y.index_select(0, out_rows), z.index_select(0, out_rows)
+            if out_rows.shape[0] == 0:  # no row's output is read
+                return y.new_empty(0, self.hidden_size)
         if into is not None:
-            return self._gated_norm(y.reshape(T, self.d_inner), z, into)
+            return self._gated_norm(y, z, into)
         # an FP8 out_proj of dynamic scales gets FP8 rows from the gated norm's pass
         quantize = is_dynamic_fp8(self.out_proj) and self.norm_kind != "none" \
             and self.norm_span is None
-        g = self._gated_norm(y.reshape(T, self.d_inner), z, quantize=quantize)
+        g = self._gated_norm(y, z, quantize=quantize)
         if residual is not None:
             return residual_projection(self.out_proj, g, residual)
         return self.out_proj(g)

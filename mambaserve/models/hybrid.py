@@ -33,6 +33,7 @@ from mambaserve.layers.stacked_linear import stacked_linear, summed_linear
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.model_layout import FFNKind, LayerSpec
 from mambaserve.models.forward_head import ForwardHead
+from mambaserve.models.output_rows import narrow, output_rows, tail_start
 from mambaserve.ops.linear import residual_in_projections
 from mambaserve.ops.state_snapshot import restore_snapshots
 
@@ -140,6 +141,16 @@ class HybridForCausalLM(nn.Module):
         self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
         self.multipliers = Multipliers.of(cfg)
+        # the sub-blocks in order, (layer, "mixer" | "ffn"); from `tail_start` on only the
+        # logits rows are computed (models/output_rows.py): a lone Mamba mixer's output part
+        # takes `out_rows`
+        parts = [(i, p) for i, spec in enumerate(cfg.layers)
+                 for p, has in (("mixer", spec.has_mixer), ("ffn", spec.ffn is not FFNKind.NONE))
+                 if has]
+        lone = [p == "mixer" and cfg.layers[i].mamba and not cfg.layers[i].attention
+                for i, p in parts]
+        start = tail_start([p == "mixer" for _, p in parts], lone)
+        self.tail_start = None if start is None else parts[start]
 
     def pack_mixer_projections(self) -> None:
         """Every layer with both mixers: one input and one output projection
@@ -220,12 +231,14 @@ class HybridForCausalLM(nn.Module):
 
     def _mixers(self, i: int, layer: DecoderLayer, x: torch.Tensor, meta: ForwardMetadata,
                 conv_state, ssm_state, kv_cache, rope, residual: torch.Tensor | None = None,
-                projected: torch.Tensor | None = None) -> torch.Tensor:
+                projected: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's mixer sub-block on its normed input x: Mamba's output, attention's, or
         both added (the residual multiplier not applied). `residual` (only where
         `layer.mixer_folds_residual`): returns residual + that, added by the closing
         projection. `projected`: the first projection's output, already computed
-        (`forward_head`)."""
+        (`forward_head`). `out_rows`: a lone Mamba mixer's output at those rows only
+        (`Mamba2Mixer.forward`; `residual` holds theirs)."""
         spec, mult = layer.spec, self.multipliers
         zxbcdt = qkv = None
         if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
@@ -245,7 +258,8 @@ class HybridForCausalLM(nn.Module):
             return layer.mixer_out(both)
         if residual is not None and spec.mamba:  # the lone mixers of mixer_folds_residual
             n = self.mamba_index[i]
-            return layer.mamba(x, meta, conv_state[n], ssm_state[n], zxbcdt, residual=residual)
+            return layer.mamba(x, meta, conv_state[n], ssm_state[n], zxbcdt, residual=residual,
+                               out_rows=out_rows)
         if residual is not None:
             return layer.self_attn(x, meta, kv_cache[self.attention_index[i]], rope, qkv,
                                    residual=residual)
@@ -253,7 +267,7 @@ class HybridForCausalLM(nn.Module):
         if spec.mamba:
             n = self.mamba_index[i]
             xm = x * mult.ssm_in if mult.ssm_in != 1.0 else x
-            out = layer.mamba(xm, meta, conv_state[n], ssm_state[n], zxbcdt)
+            out = layer.mamba(xm, meta, conv_state[n], ssm_state[n], zxbcdt, out_rows=out_rows)
             if mult.ssm_out != 1.0:
                 out = out * mult.ssm_out
         if spec.attention:
@@ -273,6 +287,12 @@ class HybridForCausalLM(nn.Module):
         layer = self.layers[0]
         spec = layer.spec
         return layer.mixer_in is not None or (spec.mamba and not spec.attention)
+
+    def _fold(self, h: torch.Tensor, rows: int) -> bool:
+        """A sub-block of `rows` token rows whose closing projection can add h in its epilogue
+        returns h + its output (`residual_in_projections`; h in the model dtype); the others
+        leave the add to the next norm's pass."""
+        return residual_in_projections(rows, h.device) and h.dtype == self.embed_tokens.weight.dtype
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start: the embedding (times its multiplier; float32 where the
@@ -303,14 +323,13 @@ class HybridForCausalLM(nn.Module):
         mult = self.multipliers  # all 1.0 once folded into the weights
         h = self._embed(meta.input_ids) if head is None else head.stream
         pending = None  # the last sub-block's output, not yet added to h
-        # prefill-sized steps: a sub-block whose closing projection can add h in its epilogue
-        # returns h + its output (`residual_in_projections`; h in the model dtype); the others
-        # leave the add to the next norm's pass
-        fold = residual_in_projections(h.shape[0], h.device) \
-            and h.dtype == self.embed_tokens.weight.dtype
+        fold = self._fold(h, h.shape[0])  # the closing projections add h (prefill-sized steps)
         first_attn = next(iter(self.attention_index), None)  # its RoPE tables serve every layer
         rope = self.layers[first_attn].self_attn.rope_tables(meta) if first_attn is not None \
             else None
+        # the tail on the logits rows alone (None: on every row; models/output_rows.py)
+        rows = output_rows(meta.logits_idx, h.shape[0]) if self.tail_start is not None else None
+        narrowed = False  # h (and pending) hold the logits rows only
         for i, layer in enumerate(self.layers):
             spec = layer.spec
             if spec.has_mixer:
@@ -320,25 +339,35 @@ class HybridForCausalLM(nn.Module):
                 else:
                     x, h = self._norm(layer.input_layernorm, h, pending, layer.fp8_mixer_input)
                     p = None
+                sel = rows if rows is not None and self.tail_start == (i, "mixer") else None
                 if fold and layer.mixer_folds_residual(mult):
-                    h = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope, h,
-                                     p)
+                    res = h if sel is None else h.index_select(0, sel)
+                    h = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope,
+                                     res, p, sel)
                     pending = None
                 else:
                     out = self._mixers(i, layer, x, meta, conv_state, ssm_state, kv_cache, rope,
-                                       projected=p)
+                                       projected=p, out_rows=sel)
                     pending = out * mult.residual if mult.residual != 1.0 else out
+                    h = h if sel is None else h.index_select(0, sel)
+                if sel is not None:
+                    fold, narrowed = self._fold(h, sel.shape[0]), True
             if spec.ffn is not FFNKind.NONE:
+                if rows is not None and self.tail_start == (i, "ffn"):
+                    h, pending = narrow(h, pending, rows)
+                    fold, narrowed = self._fold(h, rows.shape[0]), True
+                if narrowed and rows.shape[0] == 0:
+                    break  # no row's output is read (a prompt's middle chunk)
                 x, h = self._norm(layer.pre_ff_layernorm, h, pending, layer.fp8_ffn_input)
                 if fold and layer.ffn_folds_residual(mult):
                     h, pending = layer.feed_forward(x, h), None
                 else:
                     out = layer.feed_forward(x)
                     pending = out * mult.residual if mult.residual != 1.0 else out
-        # only the rows whose logits are needed take the last add and the final norm
-        h = h.index_select(0, meta.logits_idx)
+        if not narrowed:  # only the rows whose logits are needed take the last add and the norm
+            h, pending = narrow(h, pending, meta.logits_idx)
         if pending is not None:
-            h = h + pending.index_select(0, meta.logits_idx)
+            h = h + pending
         logits = self.lm_head(self.final_layernorm(h).to(self.lm_head.weight.dtype))
         if mult.logits != 1.0:
             logits = logits * mult.logits

@@ -19,6 +19,7 @@ from mambaserve.layers.moe import MoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.models.forward_head import ForwardHead
+from mambaserve.models.output_rows import narrow, output_rows, tail_start
 from mambaserve.ops.linear import residual_in_projections
 from mambaserve.ops.state_snapshot import restore_snapshots
 
@@ -59,6 +60,9 @@ class NemotronHForCausalLM(nn.Module):
         # index of each Mamba / attention layer inside the state / KV pools
         self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
+        # from this block on only the logits rows are computed (models/output_rows.py)
+        stateful = [k in (LayerKind.MAMBA, LayerKind.ATTENTION) for k in cfg.layer_kinds]
+        self.tail_start = tail_start(stateful, [k is LayerKind.MAMBA for k in cfg.layer_kinds])
 
     def tie_lm_head(self) -> None:
         """Share the embedding matrix as the output projection (checkpoints without lm_head)."""
@@ -105,7 +109,15 @@ class NemotronHForCausalLM(nn.Module):
         # next norm's pass
         fold = residual_in_projections(h.shape[0], h.device)
         out = None  # the previous block's mixer output, not yet added to h
+        # the tail on the logits rows alone (None: on every row; models/output_rows.py)
+        rows = output_rows(meta.logits_idx, h.shape[0]) if self.tail_start is not None else None
+        narrowed = False  # h (and out) hold the logits rows only
         for i, block in enumerate(self.layers):
+            if rows is not None and i == self.tail_start and block.kind is not LayerKind.MAMBA:
+                h, out = narrow(h, out, rows)
+                fold, narrowed = residual_in_projections(rows.shape[0], h.device), True
+            if narrowed and rows.shape[0] == 0:
+                break  # no row's output is read (a prompt's middle chunk)
             if i == 0 and head is not None:
                 x = head.normed
             elif out is None:
@@ -116,8 +128,14 @@ class NemotronHForCausalLM(nn.Module):
             if block.kind is LayerKind.MAMBA:
                 n = self.mamba_index[i]
                 zxbcdt = head.projected if i == 0 and head is not None else None
+                sel = rows if rows is not None and i == self.tail_start else None
+                if sel is not None and res is not None:
+                    res = res.index_select(0, sel)
                 out = block.mixer(x, meta, conv_state[n], ssm_state[n], zxbcdt=zxbcdt,
-                                  residual=res)
+                                  residual=res, out_rows=sel)
+                if sel is not None:  # the mixer's output holds the logits rows only
+                    h = h.index_select(0, sel) if res is None else h
+                    fold, narrowed = residual_in_projections(sel.shape[0], h.device), True
             elif block.kind is LayerKind.ATTENTION:
                 out = block.mixer(x, meta, kv_cache[self.attention_index[i]], residual=res)
             elif res is not None:  # MLP, MoE
@@ -126,10 +144,10 @@ class NemotronHForCausalLM(nn.Module):
                 out = block.mixer(x)
             if res is not None:  # out is the new stream
                 h, out = out, None
-        # only the rows whose logits are needed take the last add and the final norm
-        h = h.index_select(0, meta.logits_idx)
+        if not narrowed:  # only the rows whose logits are needed take the last add and the norm
+            h, out = narrow(h, out, meta.logits_idx)
         if out is not None:
-            h = h + out.index_select(0, meta.logits_idx)
+            h = h + out
         return self.lm_head(self.norm_f(h)).float()
 
 

@@ -1,0 +1,47 @@
+"""The forward's tail on the rows whose logits the step needs, and on no others.
+
+Only the layers that keep state across steps (Mamba mixers, attention) mix tokens. After the last
+of them, each block (MLP, MoE) computes every row on its own, and so does that last mixer's
+output part (a Mamba mixer's gated norm and out_proj: the scan and the cache writes before it
+need every row). Of the final hidden states the forward reads only the rows `meta.logits_idx`
+selects, so a step with fewer logits rows than token rows (any prefill without prompt logprobs:
+one row per prompt, none for a prompt's middle chunk) computes that tail on those rows alone,
+gathered once where it starts. At the Nemotron-Nano-9B-v2 shapes a 2,048-token prompt skips its
+last MLP's and last out_proj's products on 2,047 rows (0.76 TFLOP of its 32). The rows kept
+are the ones the full forward would compute, by the same kernels for a step of that many rows.
+
+The row counts are shapes, so the choice needs no device value (no host sync) and a captured graph
+makes it once. Where every row is a logits row (decode steps) nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def output_rows(logits_idx: torch.Tensor, tokens: int) -> torch.Tensor | None:
+    """`logits_idx` where it selects fewer rows than the step's `tokens`, else None (the tail
+    keeps every row)."""
+    return logits_idx if logits_idx.shape[0] < tokens else None
+
+
+def tail_start(stateful: Sequence[bool], mamba: Sequence[bool]) -> int | None:
+    """The block from which only the logits rows need computing, over a model's blocks in order:
+    the last stateful one where it is a Mamba mixer (its output part on those rows), else the
+    block after it; None where no block follows the last stateful attention, or none keeps state
+    (`stateful[i]`: block i mixes tokens; `mamba[i]`: it is a Mamba mixer whose output part takes
+    `out_rows`)."""
+    last = max((i for i, s in enumerate(stateful) if s), default=None)
+    if last is None:
+        return None
+    if mamba[last]:
+        return last
+    return last + 1 if last + 1 < len(stateful) else None
+
+
+def narrow(h: torch.Tensor, pending: torch.Tensor | None,
+           rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual stream and the output not yet added to it (if any) at `rows`."""
+    return h.index_select(0, rows), None if pending is None else pending.index_select(0, rows)

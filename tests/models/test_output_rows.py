@@ -1,0 +1,139 @@
+"""The forward's tail on the logits rows alone (models/output_rows.py): after the last layer that
+mixes tokens, a step with fewer logits rows than token rows computes the rest on those rows only.
+The logits are those of the forward that computes every row, the state and KV pools the same
+bits, in every family and with FP8 projections; a prompt's middle chunk (no logits row) skips
+the tail; prompt logprobs (every row a logits row) keep every row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_checkpoints import MAKERS
+
+from mambaserve import LLM
+from mambaserve.config import LayerKind
+from mambaserve.engine.batch import Batch, Row
+from mambaserve.engine.request import Request
+from mambaserve.engine.sampling_params import SamplingParams
+from mambaserve.metadata import build_metadata
+from mambaserve.model_layout import FFNKind
+from mambaserve.models.output_rows import output_rows, tail_start
+
+PS = 4
+CASES = [("NemotronH", {}), ("NemotronH", {"quantization": "fp8"}),
+         ("FalconH1ForCausalLM", {}), ("GraniteMoeHybridForCausalLM", {}),
+         ("BambaForCausalLM", {}), ("Mamba2ForCausalLM", {})]
+
+
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda c: c[0] + ("-fp8" if c[1] else ""))
+def engine(request, tmp_path_factory, tiny_ckpt):
+    arch, kw = request.param
+    path = tiny_ckpt if arch == "NemotronH" else MAKERS[arch](
+        tmp_path_factory.mktemp(arch) / "ckpt", seed=3)
+    return LLM(path, device="cpu", max_model_len=64, max_num_seqs=4, page_size=PS,
+               **kw).engine
+
+
+def _ids(n, seed):
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _row(tokens, ctx, slot, pages, *, more=0, prompt_logprobs=None):
+    """A row of `tokens` after `ctx` tokens of context; `more` prompt tokens follow it (a chunk
+    that does not end its prompt: no sampled token)."""
+    ids = [7] * ctx + tokens + [9] * more
+    req = Request("r", None, ids, SamplingParams(prompt_logprobs=prompt_logprobs), 0, len(ids) + 4)
+    req.state_slot, req.pages = slot, list(pages)
+    return Row(req, ctx, len(tokens), has_initial_state=ctx > 0)
+
+
+BATCHES = {
+    "one prompt": lambda: Batch([_row(_ids(13, 0), 0, 0, [0, 1, 2, 3])], []),
+    "two prompts": lambda: Batch([_row(_ids(11, 1), 0, 0, [0, 1, 2]),
+                                  _row(_ids(6, 2), 0, 1, [4, 5])], []),
+    # a continued prompt, a fresh one and a decode row
+    "mixed": lambda: Batch([_row(_ids(9, 3), 6, 0, [0, 1, 2, 3]),
+                            _row(_ids(5, 4), 0, 1, [4, 5])],
+                           [_row([17], 11, 2, [6, 7, 8])]),
+    "middle chunk": lambda: Batch([_row(_ids(12, 5), 0, 0, [0, 1, 2, 3, 4], more=5)], []),
+    "prompt logprobs": lambda: Batch([_row(_ids(10, 6), 0, 0, [0, 1, 2], prompt_logprobs=1)],
+                                     []),
+}
+
+
+def _forward(model, meta, pools, start, tail):
+    for t, s in zip(pools, start):
+        t.copy_(s)
+    model.tail_start = tail
+    with torch.inference_mode():
+        logits = model(meta, *pools)
+    return logits, [t.clone() for t in pools]
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_the_tail_on_the_logits_rows_is_the_whole_forward(engine, name, monkeypatch):
+    model, sp, kv = engine.model, engine.state_pool, engine.kv_pool
+    tail = model.tail_start
+    assert tail is not None
+    cfg = model.cfg
+    pools = (sp.conv_state, sp.ssm_state, kv.kv_cache)
+    g = torch.Generator().manual_seed(5)
+    for t in pools:
+        t.copy_(0.5 * torch.randn(t.shape, generator=g))
+    start = [t.clone() for t in pools]
+    batch = BATCHES[name]()
+    meta = build_metadata(batch, chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
+                          page_size=PS, scratch_page=kv.scratch_page, device="cpu")
+    n_logits = sum(len(r.logits_positions) for r in batch.rows)
+    assert meta.logits_idx.shape[0] == n_logits
+    narrowed = output_rows(meta.logits_idx, meta.num_tokens) is not None
+    assert narrowed == (name != "prompt logprobs")
+    # the tail's blocks see the logits rows only (every row where none is narrowed)
+    seen = []
+    owner, name = _tail_norm(model, tail)
+    monkeypatch.setattr(owner, name, _recording(getattr(owner, name), seen))
+    full, full_pools = _forward(model, meta, pools, start, None)
+    seen_full = list(seen)
+    seen.clear()
+    rows, rows_pools = _forward(model, meta, pools, start, tail)
+    model.tail_start = tail
+    assert rows.shape == full.shape == (n_logits, cfg.vocab_size)
+    torch.testing.assert_close(rows, full, rtol=1e-5, atol=1e-5)
+    for a, b in zip(rows_pools, full_pools):
+        assert torch.equal(a, b)
+    assert seen_full == [meta.num_tokens]
+    assert seen == ([n_logits] if n_logits else []) if narrowed else [meta.num_tokens]
+
+
+def _tail_norm(model, tail):
+    """(module, method name) of the norm in front of the tail's last sub-block: it runs on the
+    rows the tail computes (none at all where no logits row is read)."""
+    if isinstance(tail, tuple):  # the hybrid decoder
+        layer = model.layers[-1]
+        if layer.spec.ffn is not FFNKind.NONE:
+            return layer.pre_ff_layernorm, "forward"
+        return layer.mamba, "_gated_norm"  # a Mamba mixer's output part
+    return model.layers[-1].norm, "forward"
+
+
+def _recording(fn, seen):
+    def forward(x, *a, **kw):
+        seen.append(x.shape[0])
+        return fn(x, *a, **kw)
+    return forward
+
+
+@pytest.mark.parametrize("pattern, start", [
+    ("M-M*-M-", 5),  # the last Mamba's output part, then the MLP
+    ("M*-", 2),  # attention's output is every row: from the MLP on
+    ("M-M", 2), ("ME", 0), ("MEME", 2),
+    ("M*", None), ("-M*", None), ("---", None),
+])
+def test_tail_start(pattern, start):
+    kinds = {"M": LayerKind.MAMBA, "*": LayerKind.ATTENTION, "-": LayerKind.MLP,
+             "E": LayerKind.MOE}
+    ks = [kinds[c] for c in pattern]
+    got = tail_start([k in (LayerKind.MAMBA, LayerKind.ATTENTION) for k in ks],
+                     [k is LayerKind.MAMBA for k in ks])
+    assert got == start
