@@ -22,7 +22,7 @@ from mambaserve.distributed.parallel_modules import (
     shard_range,
 )
 from mambaserve.layers.fp8_linear import is_dynamic_fp8
-from mambaserve.layers.linear import Linear, folds_residual, residual_projection
+from mambaserve.layers.linear import Linear, folds_residual, is_plain_linear, residual_projection
 from mambaserve.layers.scaling import scale_linear_
 from mambaserve.metadata import ForwardMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -32,6 +32,7 @@ from mambaserve.ops.gated_rmsnorm import (
     gated_rmsnorm_ref,
     gated_silu,
 )
+from mambaserve.ops.linear import linear
 from mambaserve.ops.selective_state_update import selective_state_update
 from mambaserve.ops.ssd import ssd_chunk_scan_varlen
 from mambaserve.ops.state_snapshot import save_prefill_conv_snapshots
@@ -166,15 +167,20 @@ class Mamba2Mixer(nn.Module):
         added by out_proj's launch (`layers.linear.residual_projection`). `out_rows` (not with
         `into`): the output of those rows only, [len(out_rows), hidden] (`residual` holds
         theirs): the scan and the state updates take every row, the gated norm and out_proj
-        those (models/output_rows.py)."""
+        those, and z, which only the gated norm reads, is projected for those rows alone where
+        in_proj is plain (`_split_in_proj`; models/output_rows.py)."""
         T = x.shape[0]
         Tp = meta.num_prefill_tokens
         H, P = self.num_heads, self.head_dim
-        if zxbcdt is None:
-            zxbcdt = self.in_proj(x)
-        for start, end, m in self.proj_multipliers:  # in place on in_proj's fresh output
-            zxbcdt[:, start:end].mul_(m)
-        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        if zxbcdt is None and out_rows is not None and self._split_in_proj:
+            z_rows, xBC, dt = self._in_proj_split(x, out_rows)
+        else:
+            z_rows = None
+            if zxbcdt is None:
+                zxbcdt = self.in_proj(x)
+            for start, end, m in self.proj_multipliers:  # in place on in_proj's fresh output
+                zxbcdt[:, start:end].mul_(m)
+            z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = self.decay_rates()
         # mixed batches assemble y from both paths; single-kind batches use that path's output
         y = torch.empty(T, H, P, dtype=x.dtype, device=x.device) \
@@ -215,7 +221,8 @@ class Mamba2Mixer(nn.Module):
         y = y.reshape(T, self.d_inner)
         if out_rows is not None:
             assert into is None, "out_rows takes the layer's own out_proj"
-            y, z = y.index_select(0, out_rows), z.index_select(0, out_rows)
+            y = y.index_select(0, out_rows)
+            z = z.index_select(0, out_rows) if z_rows is None else z_rows
             if out_rows.shape[0] == 0:  # no row's output is read
                 return y.new_empty(0, self.hidden_size)
         if into is not None:
@@ -227,6 +234,20 @@ class Mamba2Mixer(nn.Module):
         if residual is not None:
             return residual_projection(self.out_proj, g, residual)
         return self.out_proj(g)
+
+    @property
+    def _split_in_proj(self) -> bool:
+        """in_proj can run as two products, z's rows of its weight on a few token rows and the
+        rest on every row: a plain projection (not FP8, not packed with attention's) whose
+        output takes no multiplier."""
+        return is_plain_linear(self.in_proj) and not self.proj_multipliers
+
+    def _in_proj_split(self, x: torch.Tensor, rows: torch.Tensor):
+        """in_proj(x) as (z at `rows` only, xBC, dt): the same weight rows in two products."""
+        w, b, D = self.in_proj.weight, self.in_proj.bias, self.d_inner
+        z = linear(x.index_select(0, rows), w[:D], None if b is None else b[:D])
+        xbcdt = linear(x, w[D:], None if b is None else b[D:])
+        return (z, *xbcdt.split([self.conv_dim, self.num_heads], dim=-1))
 
     @property
     def folds_residual(self) -> bool:

@@ -2,13 +2,14 @@
 
 Only the layers that keep state across steps (Mamba mixers, attention) mix tokens. After the last
 of them, each block (MLP, MoE) computes every row on its own, and so does that last mixer's
-output part (a Mamba mixer's gated norm and out_proj: the scan and the cache writes before it
-need every row). Of the final hidden states the forward reads only the rows `meta.logits_idx`
-selects, so a step with fewer logits rows than token rows (any prefill without prompt logprobs:
-one row per prompt, none for a prompt's middle chunk) computes that tail on those rows alone,
-gathered once where it starts. At the Nemotron-Nano-9B-v2 shapes a 2,048-token prompt skips its
-last MLP's and last out_proj's products on 2,047 rows (0.76 TFLOP of its 32). The rows kept
-are the ones the full forward would compute, by the same kernels for a step of that many rows.
+output part (a Mamba mixer's gated norm and out_proj, and the z part of its in_proj, which only
+the gated norm reads: the scan and the cache writes need every row). Of the final hidden states
+the forward reads only the rows `meta.logits_idx` selects, so a step with fewer logits rows than
+token rows (any prefill without prompt logprobs: one row per prompt, none for a prompt's middle
+chunk) computes that tail on those rows alone, gathered once where it starts. At the
+Nemotron-Nano-9B-v2 shapes a 2,048-token prompt skips its last MLP's, last out_proj's and last
+z projection's products on 2,047 rows (0.95 TFLOP of its 32). The rows kept get the values the
+full forward gives them, by the kernels of a step of that many rows.
 
 The row counts are shapes, so the choice needs no device value (no host sync) and a captured graph
 makes it once. Where every row is a logits row (decode steps) nothing changes.

@@ -1,5 +1,6 @@
 """The forward's tail on the logits rows alone (models/output_rows.py): after the last layer that
-mixes tokens, a step with fewer logits rows than token rows computes the rest on those rows only.
+mixes tokens, a step with fewer logits rows than token rows computes the rest on those rows only
+(the last Mamba mixer's z projection, gated norm and out_proj, the blocks after it).
 The logits are those of the forward that computes every row, the state and KV pools the same
 bits, in every family and with FP8 projections; a prompt's middle chunk (no logits row) skips
 the tail; prompt logprobs (every row a logits row) keep every row."""
