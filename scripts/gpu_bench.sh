@@ -64,9 +64,10 @@ stage_tests-quick() {  # the newest kernels' GPU tests and the whole model throu
 stage_tests-ssd() {  # the SSD scan's GPU tests (9B shapes, bf16, knobs)
     run tests-ssd 150 $PY -m pytest -q -x -p no:cacheprovider tests/ops/test_triton_ssd.py
 }
-stage_tests() {  # every CUDA-only test: compiled Triton kernels at real shapes, decode graphs
+stage_tests() {  # every CUDA-only test: compiled Triton kernels at real shapes, decode graphs,
+    # the forward's tail on the logits rows
     run tests 300 $PY -m pytest -q -x -p no:cacheprovider $XDIST tests/ops \
-        tests/engine/test_cuda_graph.py -k "cuda or gpu or triton"
+        tests/engine/test_cuda_graph.py tests/models/test_output_rows.py -k "cuda or gpu or triton"
 }
 stage_check() {  # exactness of the engine on CUDA vs transformers (tiny model), graphs too
     # the GPU image's transformers 5.17 normalizes Bamba / Granite / Mamba2's gated norm over the

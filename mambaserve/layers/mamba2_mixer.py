@@ -245,7 +245,8 @@ class Mamba2Mixer(nn.Module):
     def _in_proj_split(self, x: torch.Tensor, rows: torch.Tensor):
         """in_proj(x) as (z at `rows` only, xBC, dt): the same weight rows in two products."""
         w, b, D = self.in_proj.weight, self.in_proj.bias, self.d_inner
-        z = linear(x.index_select(0, rows), w[:D], None if b is None else b[:D])
+        z = linear(x.index_select(0, rows), w[:D], None if b is None else b[:D]) \
+            if rows.shape[0] else x.new_empty(0, D)  # no row's output is read
         xbcdt = linear(x, w[D:], None if b is None else b[D:])
         return (z, *xbcdt.split([self.conv_dim, self.num_heads], dim=-1))
 

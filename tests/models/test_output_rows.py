@@ -107,6 +107,33 @@ def test_the_tail_on_the_logits_rows_is_the_whole_forward(engine, name, monkeypa
     assert seen == ([n_logits] if n_logits else []) if narrowed else [meta.num_tokens]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["one prompt", "mixed", "middle chunk"])
+def test_the_tail_on_the_logits_rows_on_cuda(tiny_ckpt, name):
+    """bf16 on CUDA (the Triton kernels; the few-rows linear for the tail's rows, in_proj split
+    over its weight's rows): within bf16 rounding of the every-row forward."""
+    engine = LLM(tiny_ckpt, device="cuda", dtype="bfloat16", max_model_len=64, max_num_seqs=4,
+                 page_size=PS, enforce_eager=True).engine
+    model, sp, kv = engine.model, engine.state_pool, engine.kv_pool
+    cfg, tail = model.cfg, model.tail_start
+    pools = (sp.conv_state, sp.ssm_state, kv.kv_cache)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for t in pools:
+        t.copy_(0.5 * torch.randn(t.shape, generator=g, device="cuda"))
+    start = [t.clone() for t in pools]
+    meta = build_metadata(BATCHES[name](), chunk_size=cfg.chunk_size,
+                          conv_kernel=cfg.conv_kernel, page_size=PS,
+                          scratch_page=kv.scratch_page, device="cuda")
+    full, full_pools = _forward(model, meta, pools, start, None)
+    rows, rows_pools = _forward(model, meta, pools, start, tail)
+    model.tail_start = tail
+    assert rows.shape == full.shape
+    scale = full.abs().max().item() if full.numel() else 1.0
+    torch.testing.assert_close(rows, full, rtol=2e-2, atol=2e-2 * scale)
+    for a, b in zip(rows_pools, full_pools):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
 def _tail_norm(model, tail):
     """(module, method name) of the norm in front of the tail's last sub-block: it runs on the
     rows the tail computes (none at all where no logits row is read)."""
