@@ -7,27 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checkpoints import MAKERS
 from tiny_checkpoint import make_tiny_checkpoint
 
 from mambaserve import LLM
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.metadata import build_metadata
-
-PS = 4
-CASES = [("NemotronH", {}), ("NemotronH", {"quantization": "fp8"}),
-         ("FalconH1ForCausalLM", {}), ("GraniteMoeHybridForCausalLM", {}),
-         ("BambaForCausalLM", {}), ("Mamba2ForCausalLM", {})]
-
-
-@pytest.fixture(scope="module", params=CASES,
-                ids=lambda c: c[0] + ("-fp8" if c[1] else ""))
-def engine(request, tmp_path_factory, tiny_ckpt):
-    arch, kw = request.param
-    path = tiny_ckpt if arch == "NemotronH" else MAKERS[arch](
-        tmp_path_factory.mktemp(arch) / "ckpt", seed=2)
-    return LLM(path, device="cpu", max_model_len=64, max_num_seqs=4, page_size=PS,
-               **kw).engine
 
 
 def _ids(n, seed):
@@ -48,17 +32,13 @@ BATCHES = {
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_forward_from_its_head_is_the_whole_forward(engine, name):
-    model, sp, kv = engine.model, engine.state_pool, engine.kv_pool
+def test_forward_from_its_head_is_the_whole_forward(family_engine, random_pools, name):
+    model, kv = family_engine.model, family_engine.kv_pool
     assert model.has_head
     cfg = model.cfg
-    pools = (sp.conv_state, sp.ssm_state, kv.kv_cache)
-    g = torch.Generator().manual_seed(5)
-    for t in pools:
-        t.copy_(0.5 * torch.randn(t.shape, generator=g))
-    start = [t.clone() for t in pools]
+    pools, start = random_pools
     meta = build_metadata(BATCHES[name], chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
-                          page_size=PS, scratch_page=kv.scratch_page, device="cpu")
+                          page_size=kv.page_size, scratch_page=kv.scratch_page, device="cpu")
     with torch.inference_mode():
         whole = model(meta, *pools)
         after_whole = [t.clone() for t in pools]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checkpoints import MAKERS
 
 from mambaserve import LLM
 from mambaserve.config import LayerKind
@@ -20,20 +19,7 @@ from mambaserve.metadata import build_metadata
 from mambaserve.model_layout import FFNKind
 from mambaserve.models.output_rows import output_rows, tail_start
 
-PS = 4
-CASES = [("NemotronH", {}), ("NemotronH", {"quantization": "fp8"}),
-         ("FalconH1ForCausalLM", {}), ("GraniteMoeHybridForCausalLM", {}),
-         ("BambaForCausalLM", {}), ("Mamba2ForCausalLM", {})]
-
-
-@pytest.fixture(scope="module", params=CASES,
-                ids=lambda c: c[0] + ("-fp8" if c[1] else ""))
-def engine(request, tmp_path_factory, tiny_ckpt):
-    arch, kw = request.param
-    path = tiny_ckpt if arch == "NemotronH" else MAKERS[arch](
-        tmp_path_factory.mktemp(arch) / "ckpt", seed=3)
-    return LLM(path, device="cpu", max_model_len=64, max_num_seqs=4, page_size=PS,
-               **kw).engine
+PS = 4  # the page size of the batches' page lists (conftest's family_engine too)
 
 
 def _ids(n, seed):
@@ -73,19 +59,16 @@ def _forward(model, meta, pools, start, tail):
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_the_tail_on_the_logits_rows_is_the_whole_forward(engine, name, monkeypatch):
-    model, sp, kv = engine.model, engine.state_pool, engine.kv_pool
+def test_the_tail_on_the_logits_rows_is_the_whole_forward(family_engine, random_pools, name,
+                                                          monkeypatch):
+    model, kv = family_engine.model, family_engine.kv_pool
     tail = model.tail_start
     assert tail is not None
     cfg = model.cfg
-    pools = (sp.conv_state, sp.ssm_state, kv.kv_cache)
-    g = torch.Generator().manual_seed(5)
-    for t in pools:
-        t.copy_(0.5 * torch.randn(t.shape, generator=g))
-    start = [t.clone() for t in pools]
+    pools, start = random_pools
     batch = BATCHES[name]()
     meta = build_metadata(batch, chunk_size=cfg.chunk_size, conv_kernel=cfg.conv_kernel,
-                          page_size=PS, scratch_page=kv.scratch_page, device="cpu")
+                          page_size=kv.page_size, scratch_page=kv.scratch_page, device="cpu")
     n_logits = sum(len(r.logits_positions) for r in batch.rows)
     assert meta.logits_idx.shape[0] == n_logits
     narrowed = output_rows(meta.logits_idx, meta.num_tokens) is not None
