@@ -24,7 +24,7 @@ from mambaserve.distributed.parallel_modules import (
 from mambaserve.layers.fp8_linear import is_dynamic_fp8
 from mambaserve.layers.linear import Linear, folds_residual, is_plain_linear, residual_projection
 from mambaserve.layers.scaling import scale_linear_
-from mambaserve.metadata import ForwardMetadata
+from mambaserve.metadata import ForwardMetadata, PrefillMetadata
 from mambaserve.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from mambaserve.ops.gated_rmsnorm import (
     NormSpan,
@@ -168,7 +168,8 @@ class Mamba2Mixer(nn.Module):
         `into`): the output of those rows only, [len(out_rows), hidden] (`residual` holds
         theirs): the scan and the state updates take every row, the gated norm and out_proj
         those, and z, which only the gated norm reads, is projected for those rows alone where
-        in_proj is plain (`_split_in_proj`; models/output_rows.py)."""
+        in_proj is plain (`_split_in_proj`), and the scan's output launches run on their chunks
+        (`_out_chunks`; models/output_rows.py)."""
         T = x.shape[0]
         Tp = meta.num_prefill_tokens
         H, P = self.num_heads, self.head_dim
@@ -199,7 +200,7 @@ class Mamba2Mixer(nn.Module):
                 ssm_state, pf.state_slots,
                 pf.has_initial_state, pf.chunk_token_idx, pf.token_chunk_pos,
                 pf.row_chunks, pf.row_num_chunks,
-                pf.chunk_snap_dst if pf.num_snapshots else None)
+                pf.chunk_snap_dst if pf.num_snapshots else None, _out_chunks(pf, out_rows, Tp))
             if meta.num_decodes:
                 y[:Tp] = y_p
             else:  # prefill-only batch: the scan's output is y (no copy)
@@ -270,3 +271,12 @@ class Mamba2Mixer(nn.Module):
                                 norm_before_gate=norm_first,
                                 weight_fp32=self.norm_weight_fp32, span=self.norm_span)
         return out if into is None else into.copy_(out)
+
+
+def _out_chunks(pf: PrefillMetadata, out_rows: torch.Tensor | None, Tp: int) -> torch.Tensor | None:
+    """The scan chunks of the output rows (a decode row's: the last prefill token's) where they
+    are fewer than the step's chunks: the scan's output launches run on those alone."""
+    if out_rows is None or out_rows.shape[0] >= pf.chunk_token_idx.shape[0]:
+        return None
+    L = pf.chunk_token_idx.shape[1]
+    return pf.token_chunk_pos.index_select(0, out_rows.clamp(max=Tp - 1)) // L

@@ -2,8 +2,9 @@
 
 Only the layers that keep state across steps (Mamba mixers, attention) mix tokens. After the last
 of them, each block (MLP, MoE) computes every row on its own, and so does that last mixer's
-output part (a Mamba mixer's gated norm and out_proj, and the z part of its in_proj, which only
-the gated norm reads: the scan and the cache writes need every row). Of the final hidden states
+output part (a Mamba mixer's gated norm and out_proj, the z part of its in_proj, which only the
+gated norm reads, and its scan's output launches: the scan's states and the cache writes need
+every row). Of the final hidden states
 the forward reads only the rows `meta.logits_idx` selects, so a step with fewer logits rows than
 token rows (any prefill without prompt logprobs: one row per prompt, none for a prompt's middle
 chunk) computes that tail on those rows alone, gathered once where it starts. At the

@@ -42,6 +42,7 @@ def ssd_chunk_scan_varlen(
     row_chunks: torch.Tensor,
     row_num_chunks: torch.Tensor,
     chunk_snap_dst: torch.Tensor | None = None,
+    out_chunks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked scan of all prefill rows; writes each row's final state into its slot, and each
     chunk's end state into its prefix-cache snapshot slot chunk_snap_dst[chunk] (if >= 0).
@@ -57,6 +58,10 @@ def ssd_chunk_scan_varlen(
     row_num_chunks:    [R] int64 number of chunks of each row (>= 1)
     chunk_snap_dst:    [num_chunks] int64 or None (no snapshots); -1: none (on CUDA nothing is
                        written; the reference sends it to the scratch slot)
+    out_chunks:        [n] int64 chunk ids or None: y is read only at those chunks' tokens (the
+                       caller's output rows); the Triton scan computes the output of those
+                       chunks alone (entries may repeat), leaving y elsewhere undefined; the
+                       reference computes every chunk. The states are the same either way.
     returns y [T, H, P] in x.dtype
     """
     chunk_size = chunk_token_idx.shape[1]
@@ -66,7 +71,7 @@ def ssd_chunk_scan_varlen(
         return ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state,
                                             state_slots, has_initial_state, chunk_token_idx,
                                             token_chunk_pos, row_chunks, row_num_chunks,
-                                            chunk_snap_dst)
+                                            chunk_snap_dst, out_chunks)
     return ssd_chunk_scan_varlen_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                                      has_initial_state, chunk_token_idx, token_chunk_pos,
                                      row_chunks, row_num_chunks, chunk_snap_dst)

@@ -15,6 +15,7 @@ from mambaserve.config import LayerKind
 from mambaserve.engine.batch import Batch, Row
 from mambaserve.engine.request import Request
 from mambaserve.engine.sampling_params import SamplingParams
+from mambaserve.layers.mamba2_mixer import _out_chunks
 from mambaserve.metadata import build_metadata
 from mambaserve.model_layout import FFNKind
 from mambaserve.models.output_rows import output_rows, tail_start
@@ -88,6 +89,24 @@ def test_the_tail_on_the_logits_rows_is_the_whole_forward(family_engine, random_
         assert torch.equal(a, b)
     assert seen_full == [meta.num_tokens]
     assert seen == ([n_logits] if n_logits else []) if narrowed else [meta.num_tokens]
+
+
+@pytest.mark.parametrize("name", ["one prompt", "two prompts", "mixed", "middle chunk"])
+def test_the_scan_chunks_of_the_output_rows(name):
+    """The chunks the last mixer's scan computes its output for hold every logits row of a
+    prefill (a decode row's entry is a prefill chunk, so the list stays as long as the rows)."""
+    batch = BATCHES[name]()
+    meta = build_metadata(batch, chunk_size=4, conv_kernel=4, page_size=PS, scratch_page=99,
+                          device="cpu")
+    pf, Tp = meta.prefill, meta.num_prefill_tokens
+    chunks = _out_chunks(pf, meta.logits_idx, Tp)
+    assert chunks.shape == meta.logits_idx.shape
+    for t, c in zip(meta.logits_idx.tolist(), chunks.tolist()):
+        assert 0 <= c < pf.num_chunks
+        if t < Tp:
+            assert t in pf.chunk_token_idx[c].tolist()
+    every = torch.arange(meta.num_tokens)  # as many rows as chunks or more: every chunk
+    assert _out_chunks(pf, every, Tp) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -349,6 +349,31 @@ def test_ssd_nemotron9b_bf16_knobs_gpu(knobs):
     torch.testing.assert_close(got[2][-1], st0[-1])
 
 
+@pytest.mark.parametrize("listed", [[3, 0, 3], [5], []], ids=["repeated", "one", "none"])
+def test_ssd_fp32_listed_chunks(listed):
+    """out_chunks: launches CB and C run on the listed chunks alone (an entry may repeat; none
+    at all); y at those chunks' tokens, the chunk end states and the pool are the full scan's,
+    bit for bit."""
+    L = 16
+    meta = _meta(ROWS, L)
+    T, pf = meta.num_prefill_tokens, meta.prefill
+    assert pf.num_chunks > 5
+    x, dt, A, B, C, D, dtb, st = _inputs(T, 4, 16, 16, 2, 6, torch.float32,
+                                         torch.Generator().manual_seed(4), True)
+    args = (pf.state_slots.to(torch.int32), pf.has_initial_state, pf.chunk_token_idx,
+            pf.token_chunk_pos, pf.row_chunks, pf.row_num_chunks)
+    st_full, st_listed = st.clone(), st.clone()
+    y_full = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, (0.0, float("inf")), st_full,
+                                          *args)
+    out = torch.tensor(listed, dtype=torch.int64, device=DEV)
+    y = ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dtb, (0.0, float("inf")), st_listed,
+                                     *args, None, out)
+    read = torch.isin(pf.token_chunk_pos // L, out)  # the listed chunks' tokens
+    assert read.sum() == sum(int((pf.token_chunk_pos // L == c).sum()) for c in set(listed))
+    assert torch.equal(y[read], y_full[read])
+    assert torch.equal(st_listed, st_full)
+
+
 def test_snapshots_need_contiguous_heads():
     """Launch S stores a snapshot with the state buffer's [P, N] offsets: a pool whose heads are
     laid out otherwise is refused with a clear message."""
@@ -374,7 +399,7 @@ ptrs = {"x_ptr": "*bf16", "B_ptr": "*bf16", "C_ptr": "*bf16", "cti_ptr": "*i64",
         "dtc_ptr": "*fp32", "cum_ptr": "*fp32", "clen_ptr": "*i32", "st_ptr": "*bf16",
         "src_ptr": "*i64", "ssm_ptr": "*fp32", "slot_ptr": "*i32", "init_ptr": "*i1",
         "row_chunks_ptr": "*i64", "nchunks_ptr": "*i64", "snap_ptr": "*i64", "D_ptr": "*fp32",
-        "cb_ptr": "*fp32", "y_ptr": "*bf16"}
+        "cb_ptr": "*fp32", "y_ptr": "*bf16", "list_ptr": "*i64"}
 # as the 9B shapes launch them: unit strides specialized, the others multiples of 16
 div = ("x_t", "x_h", "B_t", "B_g", "C_t", "C_g", "y_t", "y_h", "cti_c", "s_slot", "s_h", "s_p",
        "H", "P", "N", "heads_per_group")
@@ -398,8 +423,9 @@ for name, (p2, bn, pf) in {"split": (16, 64, 1), "one_tile": (0, 128, 0)}.items(
         report[f"state_{name}_{snaps}"] = compile_report(_chunk_state_passing_kernel, const, 4, 1)
 # launch C at the 9B default: 64 + 16 columns, 32-token source blocks
 const = {"L": 128, "BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_P2": 16, "BLOCK_K": 32, "BLOCK_N": 128,
-         "IP": "tf32", "CONTIG": 1, "ONE_N_BLOCK": 1, "x_p": 1, "C_n": 1, "y_p": 1}
+         "IP": "tf32", "CONTIG": 1, "ONE_N_BLOCK": 1, "LISTED": 0, "x_p": 1, "C_n": 1, "y_p": 1}
 report["scan_split"] = compile_report(_chunk_scan_kernel, const, 4, 3)
+report["scan_listed"] = compile_report(_chunk_scan_kernel, {**const, "LISTED": 1}, 4, 3)
 print(json.dumps(report))
 '''
 
@@ -411,7 +437,7 @@ def test_ssd_launches_compile_for_sm90():
     of spill stores and 56 of loads per thread for the snapshot stores' registers; timed 3-12 %
     faster than the one-tile layout with snapshots all the same, docs/kernels.md run 19), rounds
     the chunk states to bf16 and adds the snapshot stores; the one-tile layout spills nothing;
-    launch C's two column tiles spill nothing and use wgmma."""
+    launch C's two column tiles spill nothing and use wgmma, on listed chunks too."""
     from offline_ptx import SM90, compile_report
 
     r = compile_report(SM90 + STATE_SM90_SCRIPT, "the SSD launches")
@@ -421,3 +447,4 @@ def test_ssd_launches_compile_for_sm90():
     assert r["state_split_0"]["to_bf16"] > 0, r
     assert r["state_split_1"]["stores"] > r["state_split_0"]["stores"], r
     assert r["scan_split"]["spill_bytes"] == 0 and r["scan_split"]["wgmma"] > 0, r
+    assert r["scan_listed"]["spill_bytes"] == 0 and r["scan_listed"]["wgmma"] > 0, r

@@ -60,7 +60,8 @@ class SsdScan:
     None knobs from the shapes) and buffers allocated on construction; `launches` are the four
     launches in the order they must run, and `run()` makes them all.
 
-    Arguments as `mambaserve.ops.ssd.ssd_chunk_scan_varlen`, plus `contiguous_chunks`: True
+    Arguments as `mambaserve.ops.ssd.ssd_chunk_scan_varlen` (`out_chunks`: launches CB and C
+    run on those chunks alone, one program column per entry), plus `contiguous_chunks`: True
     (default) assumes each chunk's tokens are consecutive in the stream (true of every
     build_metadata plan) and addresses them from the chunk's first token; False gathers each
     token through chunk_token_idx (any plan).
@@ -68,7 +69,7 @@ class SsdScan:
 
     def __init__(self, x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                  has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks, row_num_chunks,
-                 chunk_snap_dst=None, *, contiguous_chunks: bool = True):
+                 chunk_snap_dst=None, out_chunks=None, *, contiguous_chunks: bool = True):
         T, H, P = x.shape
         G, N = B.shape[1], B.shape[2]
         num_chunks, L = chunk_token_idx.shape
@@ -88,6 +89,11 @@ class SsdScan:
                   chunk_snap_dst):
             assert t is None or t.is_contiguous()
         self.chunk_snap_dst = chunk_snap_dst
+        if out_chunks is not None:
+            assert out_chunks.dim() == 1 and out_chunks.is_contiguous(), "out_chunks: [n] chunk ids"
+        self.out_chunks = out_chunks
+        # launches CB and C: one program column per chunk, or per listed chunk
+        self.out_grid = num_chunks if out_chunks is None else out_chunks.shape[0]
         self.x, self.dt, self.A, self.B, self.C, self.D = x, dt, A, B, C, D
         self.dt_bias, self.ssm_state, self.state_slots = dt_bias, ssm_state, state_slots
         self.has_initial_state, self.chunk_token_idx = has_initial_state, chunk_token_idx
@@ -204,35 +210,41 @@ class SsdScan:
         """CB: C·Bᵀ per chunk and group (lower-triangle tiles)."""
         B, C, cti = self.B, self.C, self.chunk_token_idx
         nb = self.L // self.bcb
-        _chunk_cb_kernel[(nb * (nb + 1) // 2, self.G, self.num_chunks)](
-            B, C, cti, self.clen, self.cb,
+        _chunk_cb_kernel[(nb * (nb + 1) // 2, self.G, self.out_grid)](
+            B, C, cti, self.clen, self.cb, self._list,
             self.G, self.N, *B.stride(), *C.stride(), cti.stride(0),
             L=self.L, BLOCK=self.bcb, BLOCK_K=self.bkcb, IP=self.ip, CDT=self.cdt,
-            CONTIG=self.contig, num_warps=self.warps_cb,
+            CONTIG=self.contig, LISTED=self.out_chunks is not None, num_warps=self.warps_cb,
         )
+
+    @property
+    def _list(self) -> torch.Tensor:
+        """Launches CB and C's chunk list (any tensor where they run on every chunk)."""
+        return self.out_chunks if self.out_chunks is not None else self.clen
 
     def launch_scan(self) -> None:
         """C: the output tiles, y = inter-chunk + intra-chunk terms + D x."""
         x, C, y, cti = self.x, self.C, self.y, self.chunk_token_idx
         num_pb = 1 if self.bpc2 else triton.cdiv(self.P, self.bpc)
-        _chunk_scan_kernel[(triton.cdiv(self.L, self.bm) * num_pb, self.H, self.num_chunks)](
+        _chunk_scan_kernel[(triton.cdiv(self.L, self.bm) * num_pb, self.H, self.out_grid)](
             x, C, self.D, cti, self.dt_c, self.cum, self.clen, self.cb, self.states,
-            self.chunk_src, y,
+            self.chunk_src, y, self._list,
             self.H, self.P, self.N, self.G, self.H // self.G,
             *x.stride(), *C.stride(), *y.stride(), cti.stride(0),
             L=self.L, BLOCK_M=self.bm, BLOCK_P=self.bpc, BLOCK_P2=self.bpc2, BLOCK_K=self.bk,
             BLOCK_N=self.bnc,
             IP=self.ip, CONTIG=self.contig, ONE_N_BLOCK=self.bnc >= self.N,
+            LISTED=self.out_chunks is not None,
             num_warps=self.warps_scan, num_stages=self.stages_scan,
         )
 
 
 def ssd_chunk_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                                  has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks,
-                                 row_num_chunks, chunk_snap_dst=None, *,
+                                 row_num_chunks, chunk_snap_dst=None, out_chunks=None, *,
                                  contiguous_chunks: bool = True):
     """Same contract as `mambaserve.ops.ssd.ssd_chunk_scan_varlen` (`contiguous_chunks`: see
     `SsdScan`)."""
     return SsdScan(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
                    has_initial_state, chunk_token_idx, token_chunk_pos, row_chunks, row_num_chunks,
-                   chunk_snap_dst, contiguous_chunks=contiguous_chunks).run()
+                   chunk_snap_dst, out_chunks, contiguous_chunks=contiguous_chunks).run()

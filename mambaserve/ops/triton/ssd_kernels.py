@@ -283,11 +283,19 @@ def _chunk_state_passing_kernel(
 
 
 @triton.jit
+def _grid_chunk(list_ptr, LISTED: tl.constexpr):
+    """The grid's third index, or (LISTED) the chunk list's entry there (`SsdScan` out_chunks)."""
+    if LISTED:
+        return tl.load(list_ptr + tl.program_id(2)).to(tl.int64)
+    return tl.program_id(2).to(tl.int64)
+
+
+@triton.jit
 def _chunk_cb_kernel(
-    B_ptr, C_ptr, cti_ptr, clen_ptr, cb_ptr,
+    B_ptr, C_ptr, cti_ptr, clen_ptr, cb_ptr, list_ptr,
     G, N, B_t, B_g, B_n, C_t, C_g, C_n, cti_c,
     L: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, IP: tl.constexpr,
-    CDT: tl.constexpr, CONTIG: tl.constexpr,
+    CDT: tl.constexpr, CONTIG: tl.constexpr, LISTED: tl.constexpr,
 ):
     t = tl.program_id(0)  # lower-triangle tile t -> (i, j), j <= i
     i = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
@@ -295,7 +303,7 @@ def _chunk_cb_kernel(
     i = tl.where(i * (i + 1) // 2 > t, i - 1, i)
     j = t - i * (i + 1) // 2
     g = tl.program_id(1)
-    c = tl.program_id(2).to(tl.int64)
+    c = _grid_chunk(list_ptr, LISTED)
     clen = tl.load(clen_ptr + c)
     t0 = tl.load(cti_ptr + c * cti_c)  # beside the length, not after the branch on it
     if i * BLOCK < clen:  # tiles of padding rows are never read
@@ -341,11 +349,11 @@ def _scan_store(acc, xb, yb, rows_m, mm, offs_p, mp, d, x_t, x_p, y_t, y_p):
 @triton.jit
 def _chunk_scan_kernel(
     x_ptr, C_ptr, D_ptr, cti_ptr, dtc_ptr, cum_ptr, clen_ptr, cb_ptr, st_ptr, src_ptr, y_ptr,
-    H, P, N, G, heads_per_group,
+    list_ptr, H, P, N, G, heads_per_group,
     x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p, cti_c,
     L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_P2: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IP: tl.constexpr, CONTIG: tl.constexpr,
-    ONE_N_BLOCK: tl.constexpr,
+    ONE_N_BLOCK: tl.constexpr, LISTED: tl.constexpr,
 ):
     """Launch C (docs/kernels.md): one [BLOCK_M, BLOCK_P] output tile of one head and chunk.
     BLOCK_P2 > 0: a head_dim that is not a power of two (the 9B's 80 = 64 + 16) in one program
@@ -358,7 +366,7 @@ def _chunk_scan_kernel(
     mb = tl.program_id(0) // num_pb  # the P blocks of one row tile run next to each other
     pb = tl.program_id(0) % num_pb
     h = tl.program_id(1)
-    c = tl.program_id(2).to(tl.int64)
+    c = _grid_chunk(list_ptr, LISTED)
     g = h // heads_per_group
     cdt = x_ptr.dtype.element_ty
     clen = tl.load(clen_ptr + c)
