@@ -37,6 +37,7 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.rotary_dim = cfg.rotary_dim or self.head_dim
         H, bias = cfg.hidden_size, cfg.attention_bias
+        self.hidden_size = H  # o_proj's output width (every tensor-parallel rank)
         self.q_proj = Linear(H, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
@@ -108,7 +109,8 @@ class Attention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 qkv: torch.Tensor | None = None, add: torch.Tensor | None = None,
                 into: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: this layer's [2, pages + 1, page_size, H_kv, head_dim];
         rope: `rope_tables(meta)` of the forward (computed here when None); qkv: the packed
         q / k / v projection of x when the layer computed it together with Mamba's in_proj;
@@ -117,7 +119,9 @@ class Attention(nn.Module):
         then the caller's: `DecoderLayer.pack_mixer_projections`): the attention output, before
         o_proj, is written there and returned. `residual` [T, hidden] (only where
         `folds_residual`, without `add` or `into`): returns residual + the output, added by
-        o_proj's launch."""
+        o_proj's launch. `out_rows` (not with `into`): the output of those rows only (`residual`
+        / `add` hold theirs): every row's K / V is written and attended, o_proj takes those
+        (models/output_rows.py)."""
         T = x.shape[0]
         q, k, v = self._qkv(x, qkv)
         if self.key_multiplier != 1.0:  # unfolded (tests); fold_scales moves it into k's rows
@@ -134,6 +138,11 @@ class Attention(nn.Module):
         if into is not None:
             return into
         out = out.reshape(T, -1)
+        if out_rows is not None:
+            assert into is None, "out_rows takes the layer's own o_proj"
+            out = out.index_select(0, out_rows)
+            if out_rows.shape[0] == 0:  # no row's output is read
+                return out.new_empty(0, self.hidden_size)
         if residual is not None:
             assert add is None, "residual and add are not taken together"
             return residual_projection(self.o_proj, out, residual)

@@ -142,12 +142,12 @@ class HybridForCausalLM(nn.Module):
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
         self.multipliers = Multipliers.of(cfg)
         # the sub-blocks in order, (layer, "mixer" | "ffn"); from `tail_start` on only the
-        # logits rows are computed (models/output_rows.py): a lone Mamba mixer's output part
-        # takes `out_rows`
+        # logits rows are computed (models/output_rows.py): a lone mixer's (Mamba or attention)
+        # output part takes `out_rows`
         parts = [(i, p) for i, spec in enumerate(cfg.layers)
                  for p, has in (("mixer", spec.has_mixer), ("ffn", spec.ffn is not FFNKind.NONE))
                  if has]
-        lone = [p == "mixer" and cfg.layers[i].mamba and not cfg.layers[i].attention
+        lone = [p == "mixer" and cfg.layers[i].mamba != cfg.layers[i].attention
                 for i, p in parts]
         start = tail_start([p == "mixer" for _, p in parts], lone)
         self.tail_start = None if start is None else parts[start]
@@ -237,8 +237,8 @@ class HybridForCausalLM(nn.Module):
         both added (the residual multiplier not applied). `residual` (only where
         `layer.mixer_folds_residual`): returns residual + that, added by the closing
         projection. `projected`: the first projection's output, already computed
-        (`forward_head`). `out_rows`: a lone Mamba mixer's output at those rows only
-        (`Mamba2Mixer.forward`; `residual` holds theirs)."""
+        (`forward_head`). `out_rows`: a lone mixer's output at those rows only (`residual`
+        holds theirs)."""
         spec, mult = layer.spec, self.multipliers
         zxbcdt = qkv = None
         if layer.mixer_in is not None:  # both mixers' input projections in one GEMM
@@ -262,7 +262,7 @@ class HybridForCausalLM(nn.Module):
                                out_rows=out_rows)
         if residual is not None:
             return layer.self_attn(x, meta, kv_cache[self.attention_index[i]], rope, qkv,
-                                   residual=residual)
+                                   residual=residual, out_rows=out_rows)
         out = None
         if spec.mamba:
             n = self.mamba_index[i]
@@ -274,7 +274,8 @@ class HybridForCausalLM(nn.Module):
             xa = x * mult.attention_in if mult.attention_in != 1.0 else x
             # both mixers: o_proj's launch adds the Mamba output (no add of its own)
             add = out if mult.attention_out == 1.0 else None
-            a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]], rope, qkv, add)
+            a = layer.self_attn(xa, meta, kv_cache[self.attention_index[i]], rope, qkv, add,
+                                out_rows=out_rows)
             if mult.attention_out != 1.0:
                 a = a * mult.attention_out
             out = a if out is None or add is not None else out + a

@@ -60,9 +60,10 @@ class NemotronHForCausalLM(nn.Module):
         # index of each Mamba / attention layer inside the state / KV pools
         self.mamba_index = {i: n for n, i in enumerate(cfg.mamba_layer_ids)}
         self.attention_index = {i: n for n, i in enumerate(cfg.attention_layer_ids)}
-        # from this block on only the logits rows are computed (models/output_rows.py)
+        # from this block on only the logits rows are computed (models/output_rows.py): the
+        # last Mamba or attention block, whose output part takes them
         stateful = [k in (LayerKind.MAMBA, LayerKind.ATTENTION) for k in cfg.layer_kinds]
-        self.tail_start = tail_start(stateful, [k is LayerKind.MAMBA for k in cfg.layer_kinds])
+        self.tail_start = tail_start(stateful, stateful)
 
     def tie_lm_head(self) -> None:
         """Share the embedding matrix as the output projection (checkpoints without lm_head)."""
@@ -113,9 +114,6 @@ class NemotronHForCausalLM(nn.Module):
         rows = output_rows(meta.logits_idx, h.shape[0]) if self.tail_start is not None else None
         narrowed = False  # h (and out) hold the logits rows only
         for i, block in enumerate(self.layers):
-            if rows is not None and i == self.tail_start and block.kind is not LayerKind.MAMBA:
-                h, out = narrow(h, out, rows)
-                fold, narrowed = residual_in_projections(rows.shape[0], h.device), True
             if narrowed and rows.shape[0] == 0:
                 break  # no row's output is read (a prompt's middle chunk)
             if i == 0 and head is not None:
@@ -125,23 +123,25 @@ class NemotronHForCausalLM(nn.Module):
             else:  # h = h + out; x = norm(h), in one pass (the same rounding as two torch ops)
                 x, h = block.norm(out, h, quantize=block.fp8_input)
             res = h if fold and block.folds_residual else None
+            # the tail's first block: its output part on the logits rows
+            sel = rows if rows is not None and i == self.tail_start else None
+            if sel is not None and res is not None:
+                res = res.index_select(0, sel)
             if block.kind is LayerKind.MAMBA:
                 n = self.mamba_index[i]
                 zxbcdt = head.projected if i == 0 and head is not None else None
-                sel = rows if rows is not None and i == self.tail_start else None
-                if sel is not None and res is not None:
-                    res = res.index_select(0, sel)
                 out = block.mixer(x, meta, conv_state[n], ssm_state[n], zxbcdt=zxbcdt,
                                   residual=res, out_rows=sel)
-                if sel is not None:  # the mixer's output holds the logits rows only
-                    h = h.index_select(0, sel) if res is None else h
-                    fold, narrowed = residual_in_projections(sel.shape[0], h.device), True
             elif block.kind is LayerKind.ATTENTION:
-                out = block.mixer(x, meta, kv_cache[self.attention_index[i]], residual=res)
+                out = block.mixer(x, meta, kv_cache[self.attention_index[i]], residual=res,
+                                  out_rows=sel)
             elif res is not None:  # MLP, MoE
                 out = block.mixer(x, res)
             else:
                 out = block.mixer(x)
+            if sel is not None:  # the block's output holds the logits rows only
+                h = h.index_select(0, sel) if res is None else h
+                fold, narrowed = residual_in_projections(sel.shape[0], h.device), True
             if res is not None:  # out is the new stream
                 h, out = out, None
         if not narrowed:  # only the rows whose logits are needed take the last add and the norm

@@ -3,8 +3,8 @@
 Only the layers that keep state across steps (Mamba mixers, attention) mix tokens. After the last
 of them, each block (MLP, MoE) computes every row on its own, and so does that last mixer's
 output part (a Mamba mixer's gated norm and out_proj, the z part of its in_proj, which only the
-gated norm reads, and its scan's output launches: the scan's states and the cache writes need
-every row). Of the final hidden states
+gated norm reads, and its scan's output launches; attention's o_proj: the scan's states, the
+K / V and the cache writes need every row). Of the final hidden states
 the forward reads only the rows `meta.logits_idx` selects, so a step with fewer logits rows than
 token rows (any prefill without prompt logprobs: one row per prompt, none for a prompt's middle
 chunk) computes that tail on those rows alone, gathered once where it starts. At the
@@ -29,16 +29,16 @@ def output_rows(logits_idx: torch.Tensor, tokens: int) -> torch.Tensor | None:
     return logits_idx if logits_idx.shape[0] < tokens else None
 
 
-def tail_start(stateful: Sequence[bool], mamba: Sequence[bool]) -> int | None:
+def tail_start(stateful: Sequence[bool], takes_rows: Sequence[bool]) -> int | None:
     """The block from which only the logits rows need computing, over a model's blocks in order:
-    the last stateful one where it is a Mamba mixer (its output part on those rows), else the
-    block after it; None where no block follows the last stateful attention, or none keeps state
-    (`stateful[i]`: block i mixes tokens; `mamba[i]`: it is a Mamba mixer whose output part takes
-    `out_rows`)."""
+    the last stateful one where its output part takes `out_rows` (a lone Mamba mixer or
+    attention), else the block after it; None where no block follows such a last stateful block
+    that takes no rows, or none keeps state (`stateful[i]`: block i mixes tokens;
+    `takes_rows[i]`: its output part takes `out_rows`)."""
     last = max((i for i, s in enumerate(stateful) if s), default=None)
     if last is None:
         return None
-    if mamba[last]:
+    if takes_rows[last]:
         return last
     return last + 1 if last + 1 < len(stateful) else None
 

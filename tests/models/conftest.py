@@ -8,21 +8,33 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checkpoints import MAKERS
+from tiny_checkpoint import make_tiny_checkpoint
 
 from mambaserve import LLM
 
 PAGE_SIZE = 4
-FAMILY_CASES = [("NemotronH", {}), ("NemotronH", {"quantization": "fp8"}),
-                ("FalconH1ForCausalLM", {}), ("GraniteMoeHybridForCausalLM", {}),
-                ("BambaForCausalLM", {}), ("Mamba2ForCausalLM", {})]
+# (id, architecture, engine options, NemotronH layers: None = the shared tiny checkpoint's, whose
+# last token-mixing layer is attention)
+FAMILY_CASES = [("NemotronH", "NemotronH", {}, None),
+                ("NemotronH-fp8", "NemotronH", {"quantization": "fp8"}, None),
+                # ends like the 9B: a Mamba layer, then an MLP
+                ("NemotronH-mamba-last", "NemotronH", {},
+                 ["linear_attention", "full_attention", "mlp", "linear_attention", "mlp"]),
+                *((arch, arch, {}, None) for arch in ("FalconH1ForCausalLM",
+                                                     "GraniteMoeHybridForCausalLM",
+                                                     "BambaForCausalLM", "Mamba2ForCausalLM"))]
 
 
-@pytest.fixture(scope="module", params=FAMILY_CASES,
-                ids=lambda c: c[0] + ("-fp8" if c[1] else ""))
+@pytest.fixture(scope="module", params=FAMILY_CASES, ids=lambda c: c[0])
 def family_engine(request, tmp_path_factory, tiny_ckpt):
-    arch, kw = request.param
-    path = tiny_ckpt if arch == "NemotronH" else MAKERS[arch](
-        tmp_path_factory.mktemp(arch) / "ckpt", seed=2)
+    name, arch, kw, layers = request.param
+    if arch != "NemotronH":
+        path = MAKERS[arch](tmp_path_factory.mktemp(arch) / "ckpt", seed=2)
+    elif layers is None:
+        path = tiny_ckpt
+    else:
+        path = make_tiny_checkpoint(tmp_path_factory.mktemp(name) / "ckpt", seed=2,
+                                    layers=layers)
     return LLM(path, device="cpu", max_model_len=64, max_num_seqs=4, page_size=PAGE_SIZE,
                **kw).engine
 

@@ -1,14 +1,16 @@
 """The forward's tail on the logits rows alone (models/output_rows.py): after the last layer that
 mixes tokens, a step with fewer logits rows than token rows computes the rest on those rows only
-(the last Mamba mixer's z projection, gated norm and out_proj, the blocks after it).
-The logits are those of the forward that computes every row, the state and KV pools the same
-bits, in every family and with FP8 projections; a prompt's middle chunk (no logits row) skips
-the tail; prompt logprobs (every row a logits row) keep every row."""
+(the last Mamba mixer's z projection, gated norm, out_proj and scan output, or the last
+attention's o_proj, and the blocks after it). The logits are those of the forward that
+computes every row, the state and KV pools the same bits, in every family and with FP8
+projections; a prompt's middle chunk (no logits row) skips the tail; prompt logprobs (every row a
+logits row) keep every row."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_checkpoint import make_tiny_checkpoint
 
 from mambaserve import LLM
 from mambaserve.config import LayerKind
@@ -110,11 +112,16 @@ def test_the_scan_chunks_of_the_output_rows(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("last", ["attention", "mamba"])
 @pytest.mark.parametrize("name", ["one prompt", "mixed", "middle chunk"])
-def test_the_tail_on_the_logits_rows_on_cuda(tiny_ckpt, name):
+def test_the_tail_on_the_logits_rows_on_cuda(tiny_ckpt, tmp_path, name, last):
     """bf16 on CUDA (the Triton kernels; the few-rows linear for the tail's rows, in_proj split
-    over its weight's rows): within bf16 rounding of the every-row forward."""
-    engine = LLM(tiny_ckpt, device="cuda", dtype="bfloat16", max_model_len=64, max_num_seqs=4,
+    over its weight's rows, the scan's output on listed chunks): within bf16 rounding of the
+    every-row forward, whether the last token-mixing layer is attention or Mamba."""
+    path = tiny_ckpt if last == "attention" else make_tiny_checkpoint(
+        tmp_path / "ckpt", seed=2, layers=["linear_attention", "full_attention", "mlp",
+                                           "linear_attention", "mlp"])
+    engine = LLM(path, device="cuda", dtype="bfloat16", max_model_len=64, max_num_seqs=4,
                  page_size=PS, enforce_eager=True).engine
     model, sp, kv = engine.model, engine.state_pool, engine.kv_pool
     cfg, tail = model.cfg, model.tail_start
@@ -156,14 +163,20 @@ def _recording(fn, seen):
 
 @pytest.mark.parametrize("pattern, start", [
     ("M-M*-M-", 5),  # the last Mamba's output part, then the MLP
-    ("M*-", 2),  # attention's output is every row: from the MLP on
-    ("M-M", 2), ("ME", 0), ("MEME", 2),
-    ("M*", None), ("-M*", None), ("---", None),
+    ("M*-", 1),  # attention's o_proj on the logits rows, then the MLP
+    ("M-M", 2), ("ME", 0), ("MEME", 2), ("M*", 1), ("---", None),
 ])
-def test_tail_start(pattern, start):
+def test_tail_start_of_nemotron_h_patterns(pattern, start):
+    """NemotronH: every token-mixing block's output part takes the rows (the model's rule)."""
     kinds = {"M": LayerKind.MAMBA, "*": LayerKind.ATTENTION, "-": LayerKind.MLP,
              "E": LayerKind.MOE}
-    ks = [kinds[c] for c in pattern]
-    got = tail_start([k in (LayerKind.MAMBA, LayerKind.ATTENTION) for k in ks],
-                     [k is LayerKind.MAMBA for k in ks])
-    assert got == start
+    stateful = [kinds[c] in (LayerKind.MAMBA, LayerKind.ATTENTION) for c in pattern]
+    assert tail_start(stateful, stateful) == start
+
+
+def test_tail_start_after_a_block_that_takes_no_rows():
+    """A last token-mixing block whose output part takes no rows (Falcon-H1's two mixers in one
+    projection): the tail starts at the block after it, or nowhere."""
+    assert tail_start([True, False, True, False], [True, False, False, False]) == 3
+    assert tail_start([True, False, True], [True, False, False]) is None
+    assert tail_start([False, False], [False, False]) is None
