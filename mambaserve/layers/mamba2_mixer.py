@@ -168,12 +168,12 @@ class Mamba2Mixer(nn.Module):
         `into`): the output of those rows only, [len(out_rows), hidden] (`residual` holds
         theirs): the scan and the state updates take every row, the gated norm and out_proj
         those, and z, which only the gated norm reads, is projected for those rows alone where
-        in_proj is plain (`_split_in_proj`), and the scan's output launches run on their chunks
+        in_proj is plain (`_can_split_in_proj`), and the scan's output launches run on their chunks
         (`_out_chunks`; models/output_rows.py)."""
         T = x.shape[0]
         Tp = meta.num_prefill_tokens
         H, P = self.num_heads, self.head_dim
-        if zxbcdt is None and out_rows is not None and self._split_in_proj:
+        if zxbcdt is None and out_rows is not None and self._can_split_in_proj:
             z_rows, xBC, dt = self._in_proj_split(x, out_rows)
         else:
             z_rows = None
@@ -237,7 +237,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(g)
 
     @property
-    def _split_in_proj(self) -> bool:
+    def _can_split_in_proj(self) -> bool:
         """in_proj can run as two products, z's rows of its weight on a few token rows and the
         rest on every row: a plain projection (not FP8, not packed with attention's) whose
         output takes no multiplier."""
@@ -246,8 +246,7 @@ class Mamba2Mixer(nn.Module):
     def _in_proj_split(self, x: torch.Tensor, rows: torch.Tensor):
         """in_proj(x) as (z at `rows` only, xBC, dt): the same weight rows in two products."""
         w, b, D = self.in_proj.weight, self.in_proj.bias, self.d_inner
-        z = linear(x.index_select(0, rows), w[:D], None if b is None else b[:D]) \
-            if rows.shape[0] else x.new_empty(0, D)  # no row's output is read
+        z = linear(x.index_select(0, rows), w[:D], None if b is None else b[:D])
         xbcdt = linear(x, w[D:], None if b is None else b[D:])
         return (z, *xbcdt.split([self.conv_dim, self.num_heads], dim=-1))
 
